@@ -1,0 +1,49 @@
+"""R-Stitch: entropy-threshold stitching of an SLM and an LLM.
+
+Rule (R-Stitch, "R-Stitch: Dynamic Trajectory Stitching for Efficient
+Reasoning", 2025; as served in the TokenRouter paper): the SLM writes by
+default; when the normalised entropy H/log V of its next-token distribution
+exceeds τ, its uncertain token is discarded and the LLM regenerates it from the
+full prefix.  The LLM keeps writing while its own normalised entropy stays
+above τ and hands back once it is ≤ τ (the confident token is kept).
+Paper setting: τ = 0.03.
+"""
+
+from __future__ import annotations
+
+from ..protocol import StepResult
+from .base import ParamSpec, RoutingAlgorithm
+
+
+class RStitch(RoutingAlgorithm):
+    """Normalised-entropy threshold routing between model 0 (SLM) and model 1 (LLM)."""
+
+    name = "rstitch"
+    params_spec = {"tau": ParamSpec(float, 0.03, 0.0, 1.0, "normalised-entropy threshold τ")}
+    threshold_param = "tau"
+
+    def route(self, result: StepResult) -> int:
+        """SLM: hand over (1) when H/log V > τ.  LLM: hand back (1) when H/log V ≤ τ."""
+        tau = self.params["tau"]
+        if self.model_index == 0:
+            return 1 if result.norm_entropy > tau else 0
+        return 1 if result.norm_entropy <= tau else 0
+
+    def commit_on_handoff(self, result: StepResult) -> bool:
+        """The SLM's uncertain token is discarded; the LLM's confident token is kept."""
+        return self.model_index != 0
+
+
+class NoRouting(RoutingAlgorithm):
+    """Baseline: the request stays on its first model (``model`` parameter)."""
+
+    name = "none"
+    params_spec = {"model": ParamSpec(int, 0, 0, None, "index of the model that writes every token")}
+    max_models = None
+
+    @staticmethod
+    def first_model(params) -> int:
+        return int(params.get("model", 0))
+
+    def route(self, result: StepResult) -> int:
+        return 0

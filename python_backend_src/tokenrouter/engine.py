@@ -1,0 +1,434 @@
+"""One LLM's execution engine: an SGLang ``ModelRunner`` with a private KV pool.
+
+This is the per-model half of TokenRouter's *model-centric execution*
+(paper §Design, "Execution"): every model owns its weights, its KV pool and its
+batches.  The engine exposes exactly what the decode loop needs:
+
+* :meth:`SGLangEngine.forward` advances a set of :class:`Sequence` objects by one
+  forward step.  Sequences whose KV lags their token list by exactly one token
+  and that stayed in the running batch are *decoded*; every other one (new,
+  resumed after a handoff, or with several appended tokens) is *extended* from
+  its KV position, reusing its KV row (no prefix matching, no re-allocation of
+  what is already there).
+* A sequence that is not passed to ``forward`` is simply taken out of the
+  running batch (``ScheduleBatch.filter_batch``) — its KV rows stay allocated.
+  That is the *pending* state of the paper's handoff–resume.
+* :meth:`SGLangEngine.release` frees its KV row and token slots.
+
+The engine is not thread-safe: one decode-loop thread owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from array import array
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence as Seq
+
+from . import sglang_cpu_compat
+
+logger = logging.getLogger(__name__)
+
+sglang_cpu_compat.install()
+
+import torch  # noqa: E402
+
+__all__ = ["EngineConfig", "Sequence", "ForwardOutput", "SGLangEngine", "KVCapacityError"]
+
+
+class KVCapacityError(RuntimeError):
+    """Raised when a sequence does not fit into the model's KV pool (tokens)."""
+
+
+@dataclass
+class EngineConfig:
+    """Configuration of one model's engine.
+
+    Attributes:
+        model_path: HF checkpoint folder (config.json, weights, tokenizer).
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        kv_pool_tokens: size of the private KV pool in tokens.
+        max_running_requests: request rows in the pool (running + pending).
+        context_length: maximum sequence length in tokens (prompt + output);
+            ``None`` takes the model's own.
+        torch_threads: intra-op threads for this engine's process (0: leave as is).
+        load_format: ``"auto"`` for real weights, ``"dummy"`` for random weights
+            of the checkpoint's shape (size-realistic benchmarks only).
+        random_seed: seed for dummy weights.
+        attention_backend: SGLang attention backend; ``None`` chooses
+            ``torch_native`` on the CPU and SGLang's default on GPUs.
+        capture_hidden: also return the last hidden state of every step
+            (needed by learned routers).
+    """
+
+    model_path: str
+    dtype: str = "float32"
+    kv_pool_tokens: int = 16384
+    max_running_requests: int = 32
+    context_length: Optional[int] = None
+    torch_threads: int = 0
+    load_format: str = "auto"
+    random_seed: int = 0
+    attention_backend: Optional[str] = None
+    capture_hidden: bool = False
+
+
+@dataclass
+class Sequence:
+    """A request's token sequence as seen by one model.
+
+    Attributes:
+        rid: request id.
+        tokens: every token of the request this model knows (prompt + output),
+            int token ids.
+        kv_len: number of leading ``tokens`` whose KV is in this model's pool.
+        req: the SGLang ``Req`` holding the KV row (``None`` before first forward).
+        extend_tokens_total: tokens this model has run through *extend*
+            (prefill + resumes); decode steps are not counted.
+    """
+
+    rid: str
+    tokens: List[int]
+    kv_len: int = 0
+    req: object = None
+    extend_tokens_total: int = 0
+    _in_running: bool = False
+
+    @property
+    def pending_tokens(self) -> int:
+        """Tokens appended since the last forward (need KV)."""
+        return len(self.tokens) - self.kv_len
+
+
+@dataclass
+class ForwardOutput:
+    """Result of one :meth:`SGLangEngine.forward` call.
+
+    Attributes:
+        seqs: the sequences, in the order of the rows below.
+        logits: float32 tensor ``[B, V]``: next-token logits of each sequence.
+        hidden: float32 tensor ``[B, H]`` of last hidden states, or ``None``.
+        num_extend: how many of ``seqs`` ran as extend (the rest decoded).
+        extend_tokens: tokens run through extend in this step.
+        latency_s: wall time of the step (seconds).
+    """
+
+    seqs: List[Sequence]
+    logits: torch.Tensor
+    hidden: Optional[torch.Tensor]
+    num_extend: int
+    extend_tokens: int
+    latency_s: float
+
+
+class _NoPrefixCache:
+    """Minimal tree-cache object for ``ScheduleBatch``: no prefix sharing.
+
+    TokenRouter keeps a request's KV row for its whole life (pending state), so
+    the radix cache's prefix matching is exactly the work the paper removes.
+    """
+
+    def __init__(self, page_size, device, allocator):
+        self.page_size = page_size
+        self.device = device
+        self.token_to_kv_pool_allocator = allocator
+
+    def supports_swa(self) -> bool:
+        return False
+
+    def supports_mamba(self) -> bool:
+        return False
+
+    def supports_prefix_sharing(self) -> bool:
+        return False
+
+    def evict(self, params) -> None:
+        return None
+
+    def maybe_hand_to_session(self, req) -> None:
+        return None
+
+
+class SGLangEngine:
+    """An SGLang ``ModelRunner`` plus the batch bookkeeping for pause/resume.
+
+    Args:
+        config: :class:`EngineConfig`.
+
+    Raises:
+        FileNotFoundError: ``config.model_path`` has no ``config.json``.
+    """
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        if not os.path.isfile(os.path.join(config.model_path, "config.json")):
+            raise FileNotFoundError(f"no config.json in model_path {config.model_path!r}")
+        if config.torch_threads > 0:
+            torch.set_num_threads(config.torch_threads)
+        self._load()
+        self._running = None  # ScheduleBatch of sequences that decoded last step
+        self._running_seqs: List[Sequence] = []
+        self._seqs: Dict[str, Sequence] = {}
+
+    # ------------------------------------------------------------------ load
+    def _load(self) -> None:
+        from sglang.benchmark import one_batch as ob
+        from sglang.srt.entrypoints.engine import _set_envs_and_config
+        from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+        from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+        from sglang.srt.runtime_context import SpawnRanks, get_schedule, publish, spawn_world_rank
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        from sglang.srt.server_args import PortArgs, ServerArgs
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        self._Req, self._ScheduleBatch, self._ForwardBatch = Req, ScheduleBatch, ForwardBatch
+        self._SamplingParams, self._spec_none = SamplingParams, SpeculativeAlgorithm.NONE
+
+        cfg = self.config
+        on_gpu = torch.cuda.is_available()
+        kwargs = dict(
+            model_path=cfg.model_path,
+            tokenizer_path=cfg.model_path,
+            dtype=cfg.dtype,
+            max_total_tokens=cfg.kv_pool_tokens,
+            max_running_requests=cfg.max_running_requests,
+            load_format=cfg.load_format,
+            random_seed=cfg.random_seed,
+            disable_radix_cache=True,
+            skip_tokenizer_init=False,
+        )
+        if cfg.context_length:
+            kwargs["context_length"] = cfg.context_length
+        if not on_gpu:
+            kwargs.update(device="cpu", disable_cuda_graph=True,
+                          attention_backend=cfg.attention_backend or "torch_native")
+        elif cfg.attention_backend:
+            kwargs["attention_backend"] = cfg.attention_backend
+        server_args = ServerArgs(**kwargs)
+        server_args.resolve_once()
+        _set_envs_and_config(server_args)
+        port_args = PortArgs.init_new(server_args)
+        publish(server_args, role="scheduler",
+                ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=0, pp_rank=0), gpu_id=0))
+        ob._init_process_global_configs()
+        bench_runner, tokenizer = ob.load_model(server_args, port_args, 0, 0)
+        self.runner = bench_runner.torch_runner
+        self.tokenizer = tokenizer
+        self.model_config = self.runner.model_config
+        self.vocab_size = int(self.model_config.vocab_size)
+        self.context_length = int(self.model_config.context_len)
+        self.kv_capacity = int(self.runner.token_to_kv_pool_allocator.available_size())
+        self._tree_cache = _NoPrefixCache(get_schedule().page_size, self.runner.device,
+                                          self.runner.token_to_kv_pool_allocator)
+        if cfg.capture_hidden:
+            from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+            self._capture_mode = CaptureHiddenMode.LAST
+        else:
+            self._capture_mode = None
+        self._torch_threads = torch.get_num_threads()
+
+    # ------------------------------------------------------------- accounting
+    def kv_tokens_in_use(self) -> int:
+        """KV token slots currently allocated (running + pending sequences)."""
+        return self.kv_capacity - int(self.runner.token_to_kv_pool_allocator.available_size())
+
+    def kv_tokens_free(self) -> int:
+        """KV token slots still free."""
+        return int(self.runner.token_to_kv_pool_allocator.available_size())
+
+    def rows_in_use(self) -> int:
+        """Request rows held (sequences with a KV row)."""
+        return sum(1 for s in self._seqs.values() if s.req is not None and s.req.kv.holds_kv)
+
+    # ------------------------------------------------------------- lifecycle
+    def add(self, rid: str, tokens: Seq[int]) -> Sequence:
+        """Register a new sequence (nothing is allocated until its first forward).
+
+        Raises:
+            ValueError: ``rid`` is already registered or ``tokens`` is empty.
+        """
+        if rid in self._seqs:
+            raise ValueError(f"request id {rid!r} is already active on this model")
+        if len(tokens) == 0:
+            raise ValueError("a sequence needs at least one token")
+        seq = Sequence(rid=rid, tokens=list(tokens))
+        self._seqs[rid] = seq
+        return seq
+
+    def get(self, rid: str) -> Optional[Sequence]:
+        """The registered sequence with id ``rid``, or ``None``."""
+        return self._seqs.get(rid)
+
+    def release(self, seq: Sequence) -> None:
+        """Free ``seq``'s KV row and token slots and forget it.  Idempotent."""
+        if seq._in_running:
+            self._detach([s for s in self._running_seqs if s is not seq])
+        req = seq.req
+        if req is not None and req.kv.holds_kv:
+            n = int(req.kv.kv_allocated_len)
+            pool = self.runner.req_to_token_pool
+            if n > 0:
+                slots = pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64).clone()
+                self.runner.token_to_kv_pool_allocator.free(slots)
+            pool.free(req)
+            req.kv.mark_kv_released()
+        seq.req = None
+        seq.kv_len = 0
+        self._seqs.pop(seq.rid, None)
+
+    # --------------------------------------------------------------- forward
+    def _new_req(self, seq: Sequence):
+        req = self._Req(
+            rid=seq.rid,
+            origin_input_text="",
+            origin_input_ids=array("q", seq.tokens),
+            sampling_params=self._SamplingParams(temperature=0, max_new_tokens=1 << 30),
+        )
+        req.logprob_start_len = -1
+        if self._capture_mode is not None:
+            req.return_hidden_states = True
+        return req
+
+    def _detach(self, keep: List[Sequence]) -> None:
+        """Keep only ``keep`` (a subset, in running order) in the running batch."""
+        if self._running is None:
+            return
+        keep_ids = {id(s) for s in keep}
+        idx = [i for i, s in enumerate(self._running_seqs) if id(s) in keep_ids]
+        for s in self._running_seqs:
+            if id(s) not in keep_ids:
+                s._in_running = False
+        if not idx:
+            self._running = None
+            self._running_seqs = []
+            return
+        if len(idx) != len(self._running_seqs):
+            self._running.filter_batch(keep_indices=idx)
+            self._running_seqs = [self._running_seqs[i] for i in idx]
+
+    def check_fits(self, seq: Sequence, extra_tokens: int = 0) -> None:
+        """Raise :class:`KVCapacityError` if ``seq`` plus ``extra_tokens`` cannot fit."""
+        need = len(seq.tokens) + extra_tokens
+        if need > self.context_length:
+            raise KVCapacityError(
+                f"sequence of {need} tokens exceeds the context length {self.context_length}")
+        held = seq.req.kv.kv_allocated_len if (seq.req is not None and seq.req.kv.holds_kv) else 0
+        if need - held > self.kv_tokens_free():
+            raise KVCapacityError(
+                f"KV pool full: {need - held} more tokens needed, {self.kv_tokens_free()} free")
+
+    @torch.no_grad()
+    def forward(self, seqs: List[Sequence]) -> ForwardOutput:
+        """Run one forward step for ``seqs``; every sequence gets next-token logits.
+
+        Sequences of the running batch that are not in ``seqs`` become pending
+        (KV kept).  Caller appends the chosen token to ``seq.tokens`` afterwards.
+
+        Returns:
+            :class:`ForwardOutput` with rows in the order of ``seqs``.
+
+        Raises:
+            ValueError: a sequence has no unprocessed token.
+            RuntimeError: SGLang could not allocate KV (check :meth:`check_fits` first).
+        """
+        t0 = time.perf_counter()
+        decode, extend = [], []
+        for s in seqs:
+            n = s.pending_tokens
+            if n <= 0:
+                raise ValueError(f"sequence {s.rid!r} has no new token to run")
+            (decode if (s._in_running and n == 1) else extend).append(s)
+        # drop everything not decoding now from the running batch (-> pending)
+        decode_set = {id(s) for s in decode}
+        self._detach([s for s in self._running_seqs if id(s) in decode_set])
+        rows: Dict[int, int] = {}
+        logits_parts, hidden_parts, order = [], [], []
+        extend_tokens = 0
+        ext_batch = None
+        if extend:
+            ext_batch, lg, hd = self._run_extend(extend)
+            extend_tokens = sum(s.pending_tokens for s in extend)
+            for s in extend:
+                s.extend_tokens_total += s.pending_tokens
+            logits_parts.append(lg)
+            hidden_parts.append(hd)
+            order.extend(extend)
+        if self._running_seqs:
+            lg, hd = self._run_decode()
+            logits_parts.append(lg)
+            hidden_parts.append(hd)
+            order.extend(self._running_seqs)
+        for s in order:
+            s.kv_len = len(s.tokens)
+        if ext_batch is not None:
+            for s in extend:
+                s._in_running = True
+            if self._running is None:
+                self._running, self._running_seqs = ext_batch, list(extend)
+            else:
+                self._running.merge_batch(ext_batch)
+                self._running_seqs = self._running_seqs + list(extend)
+        logits = torch.cat(logits_parts, 0) if len(logits_parts) > 1 else logits_parts[0]
+        hidden = None
+        if self._capture_mode is not None and all(h is not None for h in hidden_parts):
+            hidden = torch.cat(hidden_parts, 0) if len(hidden_parts) > 1 else hidden_parts[0]
+        for i, s in enumerate(order):
+            rows[id(s)] = i
+        perm = [rows[id(s)] for s in seqs]
+        if perm != list(range(len(seqs))):
+            p = torch.tensor(perm)
+            logits = logits[p]
+            hidden = hidden[p] if hidden is not None else None
+        return ForwardOutput(seqs=list(seqs), logits=logits.float(), hidden=hidden,
+                             num_extend=len(extend), extend_tokens=extend_tokens,
+                             latency_s=time.perf_counter() - t0)
+
+    def _hidden(self, out):
+        if self._capture_mode is None:
+            return None
+        h = getattr(out, "hidden_states", None)
+        return h.float() if h is not None else None
+
+    def _run_extend(self, seqs: List[Sequence]):
+        for s in seqs:
+            if s.req is None:
+                s.req = self._new_req(s)
+            req = s.req
+            req.full_untruncated_fill_ids = array("q", s.tokens)
+            req.prefix_len = s.kv_len
+            req.extend_end = len(s.tokens)
+            req.logprob_start_len = -1
+        batch = self._ScheduleBatch.init_new(
+            reqs=[s.req for s in seqs],
+            req_to_token_pool=self.runner.req_to_token_pool,
+            token_to_kv_pool_allocator=self.runner.token_to_kv_pool_allocator,
+            tree_cache=self._tree_cache,
+            model_config=self.model_config,
+            enable_overlap=False,
+            spec_algorithm=self._spec_none,
+        )
+        if self._capture_mode is not None:
+            batch.return_hidden_states = True
+            batch.return_hidden_states_mode = self._capture_mode
+        batch.prepare_for_extend()
+        if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
+            batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
+            batch.prefill_input_ids_cpu = None
+        fb = self._ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
+        if self._capture_mode is not None:
+            fb.capture_hidden_mode = self._capture_mode
+        out = self.runner.forward(fb).logits_output
+        return batch, out.next_token_logits, self._hidden(out)
+
+    def _run_decode(self):
+        batch = self._running
+        batch.input_ids = torch.tensor([s.tokens[-1] for s in self._running_seqs],
+                                       dtype=torch.int64, device=batch.device)
+        batch.prepare_for_decode()
+        fb = self._ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
+        if self._capture_mode is not None:
+            fb.capture_hidden_mode = self._capture_mode
+        out = self.runner.forward(fb).logits_output
+        return out.next_token_logits, self._hidden(out)

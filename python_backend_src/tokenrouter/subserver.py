@@ -1,0 +1,449 @@
+"""A model's autonomous subserver: admission, the decode loop, suspend/resume.
+
+Paper §Design, "Execution (model-centric)" and "Handoff–resume": one subserver
+per LLM with its own scheduler thread (the *decode loop*), its own engine and
+KV pool.  A request handed to a peer becomes *pending*: skipped by the loop,
+its KV rows kept; when a PeerReq brings it back, only the new tokens are
+appended and run as an extend.  It is released (KV freed) when it ends, fails
+or is cancelled.
+
+*Delayed batching* (paper §Design): a step starts only when at least ``B``
+requests are ready, or when the oldest ready request has waited
+``max_wait_s`` (so a lone request never starves).
+
+The subserver talks to the outside world through *sinks*: a callable per
+segment (one visit of a request to this model) receiving
+``sink(kind, tokens, info)`` where ``kind`` is ``"tokens"`` (non-final chunk of
+committed tokens) or one of the final kinds ``"handoff"``, ``"finished"``,
+``"cancelled"``, ``"error"``.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional
+
+import torch
+
+from .algorithms import RoutingAlgorithm, get_algorithm
+from .engine import KVCapacityError, Sequence
+from .protocol import FinishReason, PeerReq, Status, StepResult
+from .sampling import BatchSampler
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[str, List[int], Dict[str, Any]], None]
+FINAL_KINDS = ("handoff", "finished", "cancelled", "error")
+
+__all__ = ["Subserver", "LocalRequest", "SubserverConfig", "FINAL_KINDS"]
+
+
+@dataclass
+class SubserverConfig:
+    """Scheduling settings of one model's decode loop.
+
+    Attributes:
+        delayed_batch_size: B_i, ready requests needed to start a step (>= 1).
+        max_wait_s: bound on the delayed-batching wait (seconds).
+        stream_interval: committed tokens per streamed chunk (>= 1).
+        max_batch: most requests in one forward step.
+        readmit_on_resume: std-serving baseline — a returning request is
+            re-admitted as new: its KV is freed and its whole context
+            re-prefilled (no pending state).
+    """
+
+    delayed_batch_size: int = 1
+    max_wait_s: float = 0.005
+    stream_interval: int = 1
+    max_batch: int = 64
+    readmit_on_resume: bool = False
+
+
+@dataclass
+class LocalRequest:
+    """A request as held by one model.
+
+    Attributes:
+        rid: request id.
+        seq: the engine sequence (tokens + KV position).
+        header: latest PeerReq fields (tokens empty): budget, sampling, params.
+        algo: this request's routing-algorithm instance for this model.
+        loc: position anchor — tokens from here on were written by this model
+            and not yet sent to peers.
+        sink: current segment's sink, or None while pending.
+        reserved_tokens: KV tokens reserved for the request's whole life.
+        ready_since: time it became ready (for the delayed-batching bound).
+        unflushed: committed tokens not yet streamed.
+    """
+
+    rid: str
+    seq: Sequence
+    header: PeerReq
+    algo: RoutingAlgorithm
+    loc: int
+    sink: Optional[Sink]
+    reserved_tokens: int
+    ready_since: float = 0.0
+    unflushed: List[int] = field(default_factory=list)
+
+
+class Subserver:
+    """Decode loop of one model.
+
+    Args:
+        engine: an :class:`~tokenrouter.engine.SGLangEngine` (owned by the loop thread).
+        name: this model's name; a PeerReq's ``models`` list locates it (its
+            index there is the ``model_index`` its routing algorithm sees).
+        config: :class:`SubserverConfig`.
+        event_sink: optional callable receiving routing events (dicts in
+            scheduler_model's event format: ``step`` and ``handoff``).
+        on_idle: optional callable run by the loop after it processes work
+            and has nothing ready (e.g. to refresh metrics).
+    """
+
+    def __init__(self, engine, name: str,
+                 config: Optional[SubserverConfig] = None,
+                 event_sink: Optional[Callable[[dict], None]] = None,
+                 on_idle: Optional[Callable[[], None]] = None):
+        self.engine = engine
+        self.name = name
+        self.config = config or SubserverConfig()
+        self.event_sink = event_sink
+        self.on_idle = on_idle
+        self.sampler = BatchSampler()
+        self.requests: Dict[str, LocalRequest] = {}
+        self.ready: "collections.OrderedDict[str, LocalRequest]" = collections.OrderedDict()
+        self.waiting: Deque[tuple] = collections.deque()  # (peer_req, sink) awaiting KV
+        self.reserved = 0
+        self.inbox: "queue.Queue[tuple]" = queue.Queue()
+        self.counters = collections.Counter()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{self.name}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ public API
+    def submit(self, peer_req: PeerReq, sink: Sink) -> None:
+        """Queue a PeerReq (new request or a resume) for this model.  Thread-safe."""
+        self.inbox.put(("run", peer_req, sink))
+
+    def release(self, rid: str) -> None:
+        """End ``rid`` here: close its running segment (``cancelled``) and free its KV.  Thread-safe."""
+        self.inbox.put(("release", rid, None))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the loop thread and return its result (for statistics)."""
+        box: Dict[str, Any] = {}
+        done = threading.Event()
+
+        def job():
+            try:
+                box["v"] = fn()
+            except Exception as e:  # noqa: BLE001
+                box["e"] = e
+            done.set()
+
+        self.inbox.put(("call", job, None))
+        if not done.wait(timeout):
+            raise TimeoutError("decode loop did not answer")
+        if "e" in box:
+            raise box["e"]
+        return box["v"]
+
+    def stats(self) -> Dict[str, Any]:
+        """Counters and KV usage, read on the loop thread (consistent snapshot).
+
+        Keys: kv_tokens_in_use, kv_capacity_tokens, kv_rows_in_use, active,
+        pending, ready, waiting, steps, decode_tokens, extend_tokens,
+        handoffs_out, step_time_s, finished, cancelled, errors.
+        """
+        def snap():
+            active = len(self.requests)
+            ready = len(self.ready)
+            return {
+                "model": self.name,
+                "kv_tokens_in_use": self.engine.kv_tokens_in_use(),
+                "kv_capacity_tokens": self.engine.kv_capacity,
+                "kv_rows_in_use": self.engine.rows_in_use(),
+                "reserved_tokens": self.reserved,
+                "active": active,
+                "ready": ready,
+                "pending": sum(1 for r in self.requests.values() if r.sink is None),
+                "waiting": len(self.waiting),
+                **{k: self.counters[k] for k in ("steps", "decode_tokens", "extend_tokens", "extend_runs",
+                                                  "handoffs_out", "finished", "cancelled", "errors",
+                                                  "requests_in")},
+                "step_time_s": self.counters["step_time_us"] / 1e6,
+                "delayed_batch_size": self.config.delayed_batch_size,
+            }
+        return self.call(snap)
+
+    def set_delayed_batching(self, batch_size: int, max_wait_s: float) -> None:
+        """Change B_i and the wait bound at run time (online adaptation)."""
+        if batch_size < 1 or max_wait_s < 0:
+            raise ValueError("delayed batch size must be >= 1 and the wait >= 0")
+        self.call(lambda: (setattr(self.config, "delayed_batch_size", int(batch_size)),
+                           setattr(self.config, "max_wait_s", float(max_wait_s))))
+
+    def stop(self) -> None:
+        """Stop the loop; close every open segment with ``cancelled``."""
+        self._stop.set()
+        self.inbox.put(("stop", None, None))
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------- the loop
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            timeout = self._wait_timeout()
+            try:
+                item = self.inbox.get(timeout=timeout)
+            except queue.Empty:
+                item = None
+            try:
+                if item is not None:
+                    self._handle(item)
+                    while True:
+                        try:
+                            self._handle(self.inbox.get_nowait())
+                        except queue.Empty:
+                            break
+                if self._should_step():
+                    self._step()
+                elif not self.ready and self.on_idle is not None:
+                    self.on_idle()
+            except Exception:  # noqa: BLE001 - the loop must survive anything
+                logger.exception("decode loop of %s: unexpected error", self.name)
+                self._fail_all("internal error in the decode loop of model " + self.name)
+        for rid in list(self.requests):
+            self._release(rid, "cancelled", "server shutting down")
+
+    def _wait_timeout(self) -> Optional[float]:
+        if not self.ready:
+            return None
+        if len(self.ready) >= self.config.delayed_batch_size:
+            return 0.0
+        oldest = next(iter(self.ready.values())).ready_since
+        return max(0.0, self.config.max_wait_s - (time.perf_counter() - oldest))
+
+    def _should_step(self) -> bool:
+        if not self.ready:
+            return False
+        if len(self.ready) >= self.config.delayed_batch_size:
+            return True
+        oldest = next(iter(self.ready.values())).ready_since
+        return time.perf_counter() - oldest >= self.config.max_wait_s
+
+    def _handle(self, item) -> None:
+        op, a, b = item
+        if op == "run":
+            self._receive(a, b)
+        elif op == "release":
+            self._release(a, "cancelled", "released by the router")
+            self._admit_waiting()
+        elif op == "call":
+            a()
+
+    # ------------------------------------------------------------- receive
+    def _reservation(self, peer_req: PeerReq, known_tokens: int) -> int:
+        return known_tokens + max(0, peer_req.max_tokens - peer_req.num_generated) + 1
+
+    def _receive(self, peer_req: PeerReq, sink: Sink) -> None:
+        self.counters["requests_in"] += 1
+        lr = self.requests.get(peer_req.rid)
+        if lr is not None and lr.sink is not None:
+            sink("error", [], {"message": f"request {peer_req.rid!r} is already running on model {self.name}"})
+            return
+        try:
+            algo = self._make_algo(peer_req)
+        except ValueError as e:
+            sink("error", [], {"message": str(e)})
+            return
+        if lr is None:
+            need = self._reservation(peer_req, len(peer_req.tokens))
+            if need > min(self.engine.kv_capacity, self.engine.context_length + 1):
+                sink("error", [], {"message": (
+                    f"request needs {need - 1} tokens of KV (prompt + max_tokens), model {self.name} "
+                    f"has {self.engine.kv_capacity} in its pool and a context of {self.engine.context_length}")})
+                return
+            if self.reserved + need > self.engine.kv_capacity or \
+                    len(self.requests) >= self.engine.config.max_running_requests:
+                self.waiting.append((peer_req, sink))
+                return
+            self._admit(peer_req, sink, algo, need)
+            return
+        # resume of a pending request
+        tokens = algo.receive(peer_req)
+        lr.header = peer_req
+        lr.header.tokens = []
+        lr.algo = algo
+        if self.config.readmit_on_resume:
+            # std-serving baseline: forget the KV, re-prefill everything
+            self.engine.release(lr.seq)
+            lr.seq = self.engine.add(lr.rid, lr.seq.tokens + tokens)
+        else:
+            lr.seq.tokens.extend(tokens)
+        lr.loc = len(lr.seq.tokens)
+        lr.sink = sink
+        self._make_ready(lr)
+
+    def _make_algo(self, peer_req: PeerReq) -> RoutingAlgorithm:
+        if self.name not in peer_req.models:
+            raise ValueError(f"model {self.name!r} is not in the request's model list {peer_req.models}")
+        cls = get_algorithm(peer_req.algorithm)
+        return cls(peer_req.models.index(self.name), len(peer_req.models), peer_req.params)
+
+    def _admit(self, peer_req: PeerReq, sink: Sink, algo: RoutingAlgorithm, need: int) -> None:
+        seq = self.engine.add(peer_req.rid, peer_req.tokens)
+        hdr = peer_req
+        tokens = hdr.tokens
+        hdr.tokens = []
+        lr = LocalRequest(rid=hdr.rid, seq=seq, header=hdr, algo=algo, loc=len(tokens),
+                          sink=sink, reserved_tokens=need)
+        self.reserved += need
+        self.requests[lr.rid] = lr
+        self._make_ready(lr)
+
+    def _admit_waiting(self) -> None:
+        while self.waiting:
+            peer_req, sink = self.waiting[0]
+            need = self._reservation(peer_req, len(peer_req.tokens))
+            if self.reserved + need > self.engine.kv_capacity or \
+                    len(self.requests) >= self.engine.config.max_running_requests:
+                return
+            self.waiting.popleft()
+            algo = self._make_algo(peer_req)
+            self._admit(peer_req, sink, algo, need)
+
+    def _make_ready(self, lr: LocalRequest) -> None:
+        if lr.seq.pending_tokens <= 0:
+            # nothing new to run: the peer sent no token (cannot happen with the
+            # built-in algorithms); hand it straight back as an error.
+            self._end_segment(lr, "error", {"message": "resume without new tokens"})
+            return
+        lr.ready_since = time.perf_counter()
+        self.ready[lr.rid] = lr
+
+    # ---------------------------------------------------------------- release
+    def _end_segment(self, lr: LocalRequest, kind: str, info: Dict[str, Any]) -> None:
+        sink, lr.sink = lr.sink, None
+        self.ready.pop(lr.rid, None)
+        toks, lr.unflushed = lr.unflushed, []
+        if sink is not None:
+            try:
+                sink(kind, toks, info)
+            except Exception:  # noqa: BLE001
+                logger.exception("sink of %s failed", lr.rid)
+
+    def _release(self, rid: str, kind: str, message: str) -> None:
+        for i, (pr, sink) in enumerate(self.waiting):
+            if pr.rid == rid:
+                del self.waiting[i]
+                sink(kind, [], {"message": message})
+                return
+        lr = self.requests.pop(rid, None)
+        if lr is None:
+            return
+        if lr.sink is not None:
+            self.counters[kind] += 1
+            self._end_segment(lr, kind, {"message": message, "finish_reason": FinishReason.CANCELLED.value})
+        self.ready.pop(rid, None)
+        self.engine.release(lr.seq)
+        self.sampler.forget(rid)
+        self.reserved -= lr.reserved_tokens
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self.requests):
+            self.counters["errors"] += 1
+            lr = self.requests[rid]
+            if lr.sink is not None:
+                self._end_segment(lr, "error", {"message": message})
+            self._release(rid, "error", message)
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def _step(self) -> None:
+        batch = list(self.ready.values())[: self.config.max_batch]
+        seqs = [lr.seq for lr in batch]
+        t0 = time.perf_counter()
+        try:
+            out = self.engine.forward(seqs)
+        except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
+            logger.exception("forward failed on %s", self.name)
+            for lr in batch:
+                self.counters["errors"] += 1
+                self._end_segment(lr, "error", {"message": f"forward failed on model {self.name}: {e}"})
+                self._release(lr.rid, "error", str(e))
+            return
+        logits = out.logits
+        logp = torch.log_softmax(logits, dim=-1)
+        ent = (-(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])).tolist()
+        toks_t = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch])
+        probs = logp.gather(1, toks_t.view(-1, 1)).exp().view(-1).tolist()
+        toks = toks_t.tolist()
+        self.counters["steps"] += 1
+        self.counters["extend_tokens"] += out.extend_tokens
+        self.counters["extend_runs"] += out.num_extend
+        self.counters["decode_tokens"] += len(batch) - out.num_extend
+        committed_total = 0
+        handoff_events = []
+        for i, lr in enumerate(batch):
+            hdr = lr.header
+            res = StepResult(rid=lr.rid, model_index=lr.algo.model_index, token_id=toks[i],
+                             norm_entropy=ent[i], prob=probs[i], step=hdr.num_generated,
+                             hidden=None if out.hidden is None else out.hidden[i],
+                             logits=logits[i], state=lr)
+            k = lr.algo.route(res)
+            hdr.step += 1
+            commit = k == 0 or lr.algo.commit_on_handoff(res)
+            finished_reason = None
+            if commit:
+                lr.seq.tokens.append(toks[i])
+                lr.unflushed.append(toks[i])
+                hdr.num_generated += 1
+                committed_total += 1
+                if toks[i] in hdr.stop_token_ids:
+                    finished_reason = FinishReason.STOP
+                elif hdr.num_generated >= hdr.max_tokens:
+                    finished_reason = FinishReason.LENGTH
+            if finished_reason is not None:
+                self.counters["finished"] += 1
+                self._end_segment(lr, "finished", {"finish_reason": finished_reason.value,
+                                                   "num_generated": hdr.num_generated})
+                self._release(lr.rid, "finished", "")
+            elif k != 0:
+                peer = lr.algo.peer_model(k)
+                pr = lr.algo.send(lr)
+                lr.loc = len(lr.seq.tokens)
+                self.counters["handoffs_out"] += 1
+                handoff_events.append((lr.rid, hdr.step, hdr.models[peer], 1 if commit else 0))
+                self._end_segment(lr, "handoff", {"to": hdr.models[peer], "to_index": peer,
+                                                  "peer_req": pr.header_json(),
+                                                  "committed": bool(commit)})
+            elif len(lr.unflushed) >= self.config.stream_interval:
+                toks_out, lr.unflushed = lr.unflushed, []
+                try:
+                    lr.sink("tokens", toks_out, {})
+                except Exception:  # noqa: BLE001
+                    logger.exception("sink of %s failed", lr.rid)
+        dt = time.perf_counter() - t0
+        self.counters["step_time_us"] += int(dt * 1e6)
+        if self.event_sink is not None:
+            now = time.time()
+            self.event_sink({"event": "step", "model": self.name, "batch_size": len(batch),
+                             "latency_s": round(out.latency_s, 6), "tokens_committed": committed_total,
+                             "extend_tokens": out.extend_tokens, "t": now})
+            for rid, step, peer, c in handoff_events:
+                self.event_sink({"event": "handoff", "request_id": rid, "step": step, "from": self.name,
+                                 "to": peer, "tokens_committed": c, "t": now})
+        # requests that stepped and stay go to the back of the queue; their
+        # delayed-batching wait restarts at the end of this step
+        now_pc = time.perf_counter()
+        for lr in batch:
+            if lr.rid in self.ready:
+                lr.ready_since = now_pc
+                self.ready.move_to_end(lr.rid)

@@ -1,0 +1,186 @@
+"""Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
+
+Wire protocol (the router's BLS calls; clients normally talk to ``token_router``):
+
+Inputs
+    ``request_id`` BYTES [1]   request id
+    ``op`` BYTES [1]           ``run`` (default), ``release`` or ``stats``
+    ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
+    ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.protocol.PeerReq`)
+
+Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
+    ``output_ids`` INT64 [-1]  tokens committed by this model in this chunk
+    ``event`` BYTES [1]        JSON ``{"kind": "tokens"|"handoff"|"finished"|"cancelled", …}``
+
+Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
+``kv_pool_tokens``, ``max_running_requests``, ``context_length``,
+``torch_threads``, ``load_format``, ``random_seed``, ``delayed_batch_size``,
+``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``,
+``event_log``.  Custom metrics on Triton's metrics endpoint:
+``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
+``tokenrouter_extend_tokens_total``, ``tokenrouter_decode_tokens_total``,
+``tokenrouter_active_requests`` (label ``model``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from typing import Any, Dict, List
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .engine import EngineConfig, SGLangEngine
+from .protocol import PeerReq
+from .subserver import FINAL_KINDS, Subserver, SubserverConfig
+from .triton_common import model_parameters, param, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+def _str_input(request, name: str, default: str = "") -> str:
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    if t is None:
+        return default
+    v = t.as_numpy().reshape(-1)
+    if v.size == 0:
+        return default
+    x = v[0]
+    return x.decode("utf-8") if isinstance(x, bytes) else str(x)
+
+
+class _EventLog:
+    """Append-only JSON Lines writer for routing events (thread-safe)."""
+
+    def __init__(self, path: str):
+        self._f = open(path, "a", buffering=1, encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def __call__(self, event: dict) -> None:
+        with self._lock:
+            self._f.write(json.dumps(event, separators=(",", ":")) + "\n")
+
+
+class TritonPythonModel:
+    """One model's subserver inside Triton (see module docstring)."""
+
+    def initialize(self, args: Dict[str, Any]) -> None:
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException(
+                "tokenrouter LLM models must be decoupled (model_transaction_policy { decoupled: true })")
+        self.name = args["model_name"]
+        p = model_parameters(self.model_config)
+        ctx = param(p, "context_length", 0, int)
+        self.engine_config = EngineConfig(
+            model_path=resolve_model_path(param(p, "model_path", "smollm2-135m-instruct")),
+            dtype=param(p, "dtype", "float32"),
+            kv_pool_tokens=param(p, "kv_pool_tokens", 16384, int),
+            max_running_requests=param(p, "max_running_requests", 32, int),
+            context_length=ctx or None,
+            torch_threads=param(p, "torch_threads", 0, int),
+            load_format=param(p, "load_format", "auto"),
+            random_seed=param(p, "random_seed", 0, int),
+        )
+        sched = SubserverConfig(
+            delayed_batch_size=max(1, param(p, "delayed_batch_size", 1, int)),
+            max_wait_s=param(p, "delayed_batch_max_wait_us", 5000, int) / 1e6,
+            stream_interval=max(1, param(p, "stream_interval", 1, int)),
+            readmit_on_resume=param(p, "readmit_on_resume", False, bool),
+        )
+        t0 = time.time()
+        self.engine = SGLangEngine(self.engine_config)
+        logger.info("model %s loaded in %.1fs", self.name, time.time() - t0)
+        event_log = param(p, "event_log", "")
+        self._event_log = _EventLog(event_log.replace("{model}", self.name)) if event_log else None
+        self._init_metrics()
+        self._last_metrics = 0.0
+        self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._event_log,
+                                   on_idle=self._refresh_metrics_idle)
+
+    # --------------------------------------------------------------- metrics
+    def _init_metrics(self) -> None:
+        G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.GAUGE
+        fams = {
+            "kv_tokens_in_use": ("tokenrouter_kv_tokens_in_use", "KV token slots allocated (running + pending)", G),
+            "kv_rows_in_use": ("tokenrouter_kv_rows_in_use", "KV request rows held (running + pending)", G),
+            "active": ("tokenrouter_active_requests", "requests held by the model (running + pending)", G),
+            "extend_tokens": ("tokenrouter_extend_tokens_total", "tokens run through extend (prefill + resume)", C),
+            "decode_tokens": ("tokenrouter_decode_tokens_total", "tokens run through decode", C),
+            "handoffs_out": ("tokenrouter_handoffs_out_total", "requests handed to a peer", C),
+        }
+        self._metrics = {}
+        self._families = []
+        for key, (name, desc, kind) in fams.items():
+            fam = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+            self._families.append(fam)
+            self._metrics[key] = fam.Metric(labels={"model": self.name})
+
+    def _refresh_metrics(self, snap: Dict[str, Any]) -> None:
+        for key, m in self._metrics.items():
+            m.set(float(snap[key]))
+
+    def _refresh_metrics_idle(self) -> None:
+        # called on the loop thread when nothing is ready: cheap, throttled
+        now = time.monotonic()
+        if now - self._last_metrics < 0.05:
+            return
+        self._last_metrics = now
+        s = self.subserver
+        self._refresh_metrics({
+            "kv_tokens_in_use": self.engine.kv_tokens_in_use(), "kv_rows_in_use": self.engine.rows_in_use(),
+            "active": len(s.requests), "extend_tokens": s.counters["extend_tokens"],
+            "decode_tokens": s.counters["decode_tokens"], "handoffs_out": s.counters["handoffs_out"]})
+
+    # --------------------------------------------------------------- execute
+    def execute(self, requests: List[Any]) -> None:
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                rid = _str_input(request, "request_id")
+                op = _str_input(request, "op", "run") or "run"
+                if not rid and op != "stats":
+                    raise ValueError("request_id is required")
+                if op == "release":
+                    self.subserver.release(rid)
+                    sender.send(self._response([], {"kind": "released"}), flags=_FINAL)
+                elif op == "stats":
+                    sender.send(self._response([], {"kind": "stats", **self.subserver.stats()}), flags=_FINAL)
+                elif op == "run":
+                    ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
+                    ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).astype(np.int64).tolist()
+                    pr = PeerReq.from_wire(_str_input(request, "peer_req", "{}"), ids)
+                    if pr.rid != rid:
+                        pr.rid = rid
+                    self.subserver.submit(pr, self._make_sink(sender))
+                else:
+                    raise ValueError(f"unknown op {op!r}; expected run, release or stats")
+            except Exception as e:  # noqa: BLE001 - answer this request only
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
+        return None
+
+    @staticmethod
+    def _response(tokens: List[int], event: Dict[str, Any]):
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int64)),
+            pb_utils.Tensor("event", np.asarray([json.dumps(event).encode("utf-8")], dtype=np.object_)),
+        ])
+
+    def _make_sink(self, sender):
+        def sink(kind: str, tokens: List[int], info: Dict[str, Any]) -> None:
+            final = kind in FINAL_KINDS
+            if kind == "error":
+                sender.send(pb_utils.InferenceResponse(
+                    output_tensors=[], error=pb_utils.TritonError(info.get("message", "error"))), flags=_FINAL)
+                return
+            sender.send(self._response(tokens, {"kind": kind, **info}), flags=_FINAL if final else 0)
+        return sink
+
+    def finalize(self) -> None:
+        self.subserver.stop()

@@ -1,0 +1,346 @@
+"""``token_router``: the client-facing decoupled BLS model.
+
+It tokenises the prompt (chat template on request), drives each request
+through the model subservers with the routing algorithm's handoffs (the paper's
+inter-model loop: the PeerReq of a handing-off model is forwarded, with the
+token suffix the peer has not seen, to the peer), streams detokenised text back
+and releases every model's state at the end.
+
+Client interface (Triton vllm_backend conventions)
+
+Inputs
+    ``text_input`` BYTES [1]              prompt (UTF-8)
+    ``stream`` BOOL [1]                   stream text deltas (default false)
+    ``sampling_parameters`` BYTES [1]     JSON: max_tokens, temperature, top_p, top_k,
+                                          seed, stop, ignore_eos, routing_threshold
+    ``exclude_input_in_output`` BOOL [1]  non-streaming only: omit the prompt (default false)
+    ``apply_chat_template`` BOOL [1]      wrap the prompt as a user turn (default false)
+    ``return_routing_trace`` BOOL [1]     add the per-token model trace (default false)
+
+Outputs
+    ``text_output`` BYTES, ``finish_reason`` BYTES, ``num_input_tokens`` INT32,
+    ``num_output_tokens`` INT32, ``routing_summary`` BYTES (JSON:
+    tokens_by_model, handoffs, handoffs_by_pair, algorithm), ``routing_trace``
+    BYTES (JSON: models, per-output-token model index) when asked.
+
+Config parameters: ``models`` (comma-separated, deployment order; model 0 is
+the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
+``max_concurrent_requests``, ``default_max_tokens``, ``context_length``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from .algorithms import get_algorithm
+from .detok import IncrementalDetokenizer
+from .protocol import FinishReason, PeerReq
+from .sampling import SamplingParams, parse_sampling_parameters
+from .triton_common import model_parameters, param, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class ClientError(ValueError):
+    """Bad input from the client: reported to that client only."""
+
+
+def _opt_input(request, name: str):
+    t = pb_utils.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy().reshape(-1)
+
+
+def _bool_input(request, name: str, default: bool) -> bool:
+    v = _opt_input(request, name)
+    if v is None or v.size == 0:
+        return default
+    if v.size != 1:
+        raise ClientError(f"{name} must hold exactly one value")
+    return bool(v[0])
+
+
+def _bytes_input(request, name: str) -> Optional[bytes]:
+    v = _opt_input(request, name)
+    if v is None or v.size == 0:
+        return None
+    if v.size != 1:
+        raise ClientError(f"{name} must hold exactly one value, got {v.size}")
+    x = v[0]
+    return x if isinstance(x, bytes) else str(x).encode("utf-8")
+
+
+@dataclass
+class _Job:
+    rid: str
+    sender: Any
+    request: Any
+    prompt: str
+    prompt_ids: List[int]
+    sp: SamplingParams
+    stream: bool
+    exclude_input: bool
+    want_trace: bool
+    params: Dict[str, Any]
+    tokens_by_model: Dict[str, int] = field(default_factory=dict)
+    pairs: Dict[str, int] = field(default_factory=dict)
+    trace: List[int] = field(default_factory=list)
+
+
+class TritonPythonModel:
+    """The router (see module docstring)."""
+
+    def initialize(self, args: Dict[str, Any]) -> None:
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("token_router must be decoupled")
+        p = model_parameters(self.model_config)
+        self.models = [m.strip() for m in param(p, "models", "slm,llm").split(",") if m.strip()]
+        self.algorithm = param(p, "algorithm", "rstitch")
+        self.algo_cls = get_algorithm(self.algorithm)
+        self.base_params = self.algo_cls.validate_params(
+            json.loads(param(p, "algorithm_params", "{}") or "{}"), len(self.models))
+        self.default_max_tokens = param(p, "default_max_tokens", 16, int)
+        from transformers import AutoTokenizer  # after the stub's locale fix
+
+        self.tokenizer = AutoTokenizer.from_pretrained(
+            resolve_model_path(param(p, "tokenizer_path", "smollm2-135m-instruct")))
+        self.context_length = param(p, "context_length", 0, int) or int(
+            getattr(self.tokenizer, "model_max_length", 8192) if
+            getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
+        stop_ids = {self.tokenizer.eos_token_id}
+        for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+            tid = self.tokenizer.convert_tokens_to_ids(tok)
+            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
+                stop_ids.add(tid)
+        self.stop_token_ids = sorted(i for i in stop_ids if i is not None)
+        self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
+                                       thread_name_prefix="router")
+        self._closing = threading.Event()
+
+    # ------------------------------------------------------------ validation
+    def _parse(self, request) -> _Job:
+        raw = _bytes_input(request, "text_input")
+        if raw is None:
+            raise ClientError("text_input is required")
+        try:
+            prompt = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ClientError(f"text_input is not valid UTF-8: {e}") from None
+        if not prompt.strip():
+            raise ClientError("text_input is empty")
+        sp_raw = _bytes_input(request, "sampling_parameters")
+        try:
+            sp = parse_sampling_parameters(sp_raw.decode("utf-8") if sp_raw else None, self.default_max_tokens)
+        except UnicodeDecodeError:
+            raise ClientError("sampling_parameters is not valid UTF-8") from None
+        except ValueError as e:
+            raise ClientError(str(e)) from None
+        params = dict(self.base_params)
+        if sp.routing_threshold is not None:
+            if not self.algo_cls.threshold_param:
+                raise ClientError(f"algorithm {self.algorithm!r} has no threshold to override")
+            try:
+                params = self.algo_cls.validate_params(
+                    {**params, self.algo_cls.threshold_param: sp.routing_threshold}, len(self.models))
+            except ValueError as e:
+                raise ClientError(str(e)) from None
+        if _bool_input(request, "apply_chat_template", False):
+            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+        else:
+            ids = self.tokenizer.encode(prompt)
+        ids = [int(i) for i in ids]
+        if len(ids) >= self.context_length:
+            raise ClientError(f"prompt has {len(ids)} tokens; the context length is {self.context_length}")
+        if len(ids) + sp.max_tokens > self.context_length:
+            raise ClientError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds the "
+                              f"context length {self.context_length}")
+        return _Job(rid=uuid.uuid4().hex, sender=request.get_response_sender(), request=request,
+                    prompt=prompt, prompt_ids=ids, sp=sp,
+                    stream=_bool_input(request, "stream", False),
+                    exclude_input=_bool_input(request, "exclude_input_in_output", False),
+                    want_trace=_bool_input(request, "return_routing_trace", False), params=params)
+
+    def execute(self, requests: List[Any]) -> None:
+        for request in requests:
+            try:
+                job = self._parse(request)
+            except ClientError as e:
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
+                continue
+            except Exception as e:  # noqa: BLE001
+                logger.exception("router: bad request")
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")), flags=_FINAL)
+                continue
+            self.pool.submit(self._run_guarded, job)
+        return None
+
+    # ------------------------------------------------------------- BLS calls
+    def _bls(self, model: str, rid: str, op: str, tokens: List[int], header: str):
+        req = pb_utils.InferenceRequest(
+            model_name=model,
+            requested_output_names=["output_ids", "event"],
+            inputs=[
+                pb_utils.Tensor("request_id", np.asarray([[rid.encode()]], dtype=np.object_)),
+                pb_utils.Tensor("op", np.asarray([[op.encode()]], dtype=np.object_)),
+                pb_utils.Tensor("input_ids", np.asarray([tokens], dtype=np.int64).reshape(1, -1)),
+                pb_utils.Tensor("peer_req", np.asarray([[header.encode()]], dtype=np.object_)),
+            ],
+        )
+        return req.exec(decoupled=True)
+
+    def _release(self, model: str, rid: str) -> None:
+        try:
+            for r in self._bls(model, rid, "release", [], "{}"):
+                if r.has_error():
+                    logger.warning("release of %s on %s: %s", rid, model, r.error().message())
+        except Exception:  # noqa: BLE001
+            logger.exception("release of %s on %s failed", rid, model)
+
+    @staticmethod
+    def _cancelled(job: _Job) -> bool:
+        for obj in (job.request, job.sender):
+            fn = getattr(obj, "is_cancelled", None)
+            if fn is not None:
+                try:
+                    if fn():
+                        return True
+                except Exception:  # noqa: BLE001
+                    pass
+        return False
+
+    # --------------------------------------------------------------- request
+    def _run_guarded(self, job: _Job) -> None:
+        try:
+            self._run(job)
+        except Exception as e:  # noqa: BLE001 - error to this client only
+            logger.exception("router: request %s failed", job.rid)
+            try:
+                job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
+            except Exception:  # noqa: BLE001
+                pass
+
+    def _run(self, job: _Job) -> None:
+        models = self.models
+        seq = list(job.prompt_ids)
+        n_prompt = len(seq)
+        seen = [0] * len(models)
+        touched = set()
+        released_by_model = set()
+        detok = IncrementalDetokenizer(self.tokenizer, job.sp.stop)
+        header = PeerReq(rid=job.rid, max_tokens=job.sp.max_tokens,
+                         stop_token_ids=[] if job.sp.ignore_eos else self.stop_token_ids,
+                         sampling=job.sp.sampler_dict(), algorithm=self.algorithm, params=job.params,
+                         models=models)
+        current = self.algo_cls.first_model(job.params)
+        finish: Optional[str] = None
+        handoffs = 0
+        try:
+            while finish is None:
+                name = models[current]
+                touched.add(current)
+                suffix = seq[seen[current]:]
+                header.tokens = []
+                seen[current] = len(seq)
+                handoff = None
+                for resp in self._bls(name, job.rid, "run", suffix, header.header_json()):
+                    if resp.has_error():
+                        raise RuntimeError(f"model {name}: {resp.error().message()}")
+                    ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
+                    ev_t = pb_utils.get_output_tensor_by_name(resp, "event")
+                    ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).tolist()
+                    ev = {} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0])
+                    if ids:
+                        seq.extend(ids)
+                        seen[current] = len(seq)
+                        job.tokens_by_model[name] = job.tokens_by_model.get(name, 0) + len(ids)
+                        job.trace.extend([current] * len(ids))
+                        delta = detok.add(ids)
+                        if job.stream and delta and finish is None:
+                            job.sender.send(self._chunk(delta))
+                        if detok.stopped and finish is None:
+                            finish = FinishReason.STOP.value
+                            self._release(name, job.rid)  # ends the running segment
+                            released_by_model.add(current)
+                    kind = ev.get("kind")
+                    if kind == "handoff":
+                        handoff = ev
+                    elif kind == "finished":
+                        finish = finish or ev.get("finish_reason", FinishReason.STOP.value)
+                        released_by_model.add(current)
+                    elif kind == "cancelled" and finish is None:
+                        finish = FinishReason.CANCELLED.value
+                        released_by_model.add(current)
+                    if finish is None and self._cancelled(job):
+                        finish = FinishReason.CANCELLED.value
+                        self._release(name, job.rid)
+                        released_by_model.add(current)
+                if finish is None and handoff is None:
+                    raise RuntimeError(f"model {name} ended a segment without a handoff or finish")
+                if handoff is not None and finish is None:
+                    peer = int(handoff["to_index"])
+                    hdr = PeerReq.from_wire(handoff["peer_req"], [])
+                    header = hdr
+                    pair = f"{name}->{models[peer]}"
+                    job.pairs[pair] = job.pairs.get(pair, 0) + 1
+                    handoffs += 1
+                    current = peer
+                    if self._cancelled(job):
+                        finish = FinishReason.CANCELLED.value
+        finally:
+            for m in touched:
+                if m not in released_by_model:
+                    self._release(models[m], job.rid)
+        if finish == FinishReason.CANCELLED.value:
+            try:
+                job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled")),
+                                flags=_FINAL)
+            except Exception:  # noqa: BLE001
+                pass
+            return
+        tail = detok.flush()
+        out_ids = seq[n_prompt:]
+        summary = {"algorithm": self.algorithm, "params": job.params,
+                   "tokens_by_model": {m: job.tokens_by_model.get(m, 0) for m in models},
+                   "handoffs": handoffs, "handoffs_by_pair": job.pairs}
+        if job.stream:
+            text = tail
+        else:
+            text = detok.text
+            if not job.exclude_input:
+                text = job.prompt + text
+        tensors = [
+            pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("finish_reason", np.asarray([finish.encode()], dtype=np.object_)),
+            pb_utils.Tensor("num_input_tokens", np.asarray([n_prompt], dtype=np.int32)),
+            pb_utils.Tensor("num_output_tokens", np.asarray([len(out_ids)], dtype=np.int32)),
+            pb_utils.Tensor("routing_summary", np.asarray([json.dumps(summary).encode()], dtype=np.object_)),
+        ]
+        if job.want_trace:
+            tr = json.dumps({"models": models, "trace": job.trace})
+            tensors.append(pb_utils.Tensor("routing_trace", np.asarray([tr.encode()], dtype=np.object_)))
+        job.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL)
+
+    @staticmethod
+    def _chunk(text: str):
+        return pb_utils.InferenceResponse(output_tensors=[
+            pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))])
+
+    def finalize(self) -> None:
+        self._closing.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
