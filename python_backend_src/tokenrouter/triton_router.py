@@ -21,7 +21,7 @@ Outputs
     ``text_output`` BYTES, ``finish_reason`` BYTES, ``num_input_tokens`` INT32,
     ``num_output_tokens`` INT32, ``routing_summary`` BYTES (JSON:
     tokens_by_model, handoffs, handoffs_by_pair, algorithm), ``routing_trace``
-    BYTES (JSON: models, per-output-token model index) when asked.
+    BYTES (JSON: models, per-output-token model index, output token ids) when asked.
 
 Config parameters: ``models`` (comma-separated, deployment order; model 0 is
 the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
@@ -332,7 +332,7 @@ class TritonPythonModel:
             pb_utils.Tensor("routing_summary", np.asarray([json.dumps(summary).encode()], dtype=np.object_)),
         ]
         if job.want_trace:
-            tr = json.dumps({"models": models, "trace": job.trace})
+            tr = json.dumps({"models": models, "trace": job.trace, "token_ids": out_ids})
             tensors.append(pb_utils.Tensor("routing_trace", np.asarray([tr.encode()], dtype=np.object_)))
         job.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL)
 

@@ -1,0 +1,145 @@
+"""Command-line client: stream a prompt's answer from ``token_router`` and print the routing summary.
+
+Usage::
+
+    python -m tokenrouter.cli "What is the capital of France?"
+    python -m tokenrouter.cli --url localhost:8001 --max-tokens 128 --temperature 0.7 --trace "Tell me a story"
+
+Uses Triton's gRPC streaming API (tritonclient), as any Triton client would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+from typing import Any, Dict, Optional
+
+import numpy as np
+
+__all__ = ["stream_generate", "main"]
+
+
+def _inputs(grpcclient, prompt: str, sampling: Dict[str, Any], stream: bool, chat: bool, trace: bool):
+    def t(name, arr, dtype):
+        x = grpcclient.InferInput(name, list(arr.shape), dtype)
+        x.set_data_from_numpy(arr)
+        return x
+
+    return [
+        t("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+        t("stream", np.array([stream]), "BOOL"),
+        t("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_), "BYTES"),
+        t("apply_chat_template", np.array([chat]), "BOOL"),
+        t("return_routing_trace", np.array([trace]), "BOOL"),
+    ]
+
+
+def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bool = True,
+                    trace: bool = False, model: str = "token_router", on_text=None,
+                    timeout_s: float = 600.0) -> Dict[str, Any]:
+    """Stream one request through gRPC and return the final fields.
+
+    Args:
+        url: gRPC address ``host:port``.
+        prompt: prompt text.
+        sampling: sampling parameters dict (max_tokens, temperature, …).
+        chat: apply the model's chat template.
+        trace: ask for the per-token model trace.
+        on_text: callback receiving each text delta as it arrives.
+
+    Returns:
+        dict with ``text``, ``finish_reason``, ``num_input_tokens``,
+        ``num_output_tokens``, ``routing_summary`` (dict) and ``routing_trace``.
+
+    Raises:
+        RuntimeError: the server answered with an error.
+    """
+    import tritonclient.grpc as grpcclient
+
+    q: "queue.Queue" = queue.Queue()
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        client.async_stream_infer(model, _inputs(grpcclient, prompt, sampling, True, chat, trace),
+                                  enable_empty_final_response=True)
+        text, out = [], {}
+        while True:
+            result, error = q.get(timeout=timeout_s)
+            if error is not None:
+                raise RuntimeError(str(error))
+            resp = result.get_response()
+            delta = result.as_numpy("text_output")
+            if delta is not None and delta.size:
+                s = delta.reshape(-1)[0].decode("utf-8")
+                text.append(s)
+                if on_text:
+                    on_text(s)
+            for name in ("finish_reason", "routing_summary", "routing_trace"):
+                v = result.as_numpy(name)
+                if v is not None and v.size:
+                    out[name] = v.reshape(-1)[0].decode("utf-8")
+            for name in ("num_input_tokens", "num_output_tokens"):
+                v = result.as_numpy(name)
+                if v is not None and v.size:
+                    out[name] = int(v.reshape(-1)[0])
+            if resp.parameters.get("triton_final_response") and resp.parameters["triton_final_response"].bool_param:
+                break
+        out["text"] = "".join(text)
+        if "routing_summary" in out:
+            out["routing_summary"] = json.loads(out["routing_summary"])
+        if "routing_trace" in out:
+            out["routing_trace"] = json.loads(out["routing_trace"])
+        return out
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def main(argv: Optional[list] = None) -> int:
+    """CLI entry point; returns the process exit code."""
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.cli", description=__doc__.split("\n\n")[0])
+    ap.add_argument("prompt")
+    ap.add_argument("--url", default=f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT', '8001')}",
+                    help="gRPC address (default localhost:$TOKENROUTER_GRPC_PORT or 8001)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-p", type=float, default=None)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--threshold", type=float, default=None, help="override the routing threshold")
+    ap.add_argument("--no-chat", action="store_true", help="send the prompt raw (no chat template)")
+    ap.add_argument("--trace", action="store_true", help="print which model wrote each token")
+    a = ap.parse_args(argv)
+    sampling: Dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temperature}
+    if a.top_p is not None:
+        sampling["top_p"] = a.top_p
+    if a.seed is not None:
+        sampling["seed"] = a.seed
+    if a.threshold is not None:
+        sampling["routing_threshold"] = a.threshold
+    try:
+        out = stream_generate(a.url, a.prompt, sampling, chat=not a.no_chat, trace=a.trace,
+                              on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+    except Exception as e:  # noqa: BLE001
+        print(f"\nerror: {e}", file=sys.stderr)
+        return 1
+    s = out.get("routing_summary", {})
+    print()
+    print(f"--- finish_reason={out.get('finish_reason')} input_tokens={out.get('num_input_tokens')} "
+          f"output_tokens={out.get('num_output_tokens')}")
+    by = s.get("tokens_by_model", {})
+    total = sum(by.values()) or 1
+    print("--- routing (" + s.get("algorithm", "?") + "): " +
+          ", ".join(f"{m} wrote {n} ({100.0 * n / total:.0f}%)" for m, n in by.items()) +
+          f"; handoffs {s.get('handoffs', 0)} {s.get('handoffs_by_pair', {})}")
+    if a.trace and "routing_trace" in out:
+        names = out["routing_trace"]["models"]
+        print("--- trace: " + "".join(str(i) for i in out["routing_trace"]["trace"]) +
+              "  (" + ", ".join(f"{i}={n}" for i, n in enumerate(names)) + ")")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

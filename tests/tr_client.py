@@ -1,0 +1,129 @@
+"""Client helpers for the tests: plain Triton clients (HTTP generate, gRPC streaming, metrics)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import time
+import urllib.request
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import requests
+import tritonclient.grpc as grpcclient
+
+
+def generate(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, chat: bool = False,
+             trace: bool = True, exclude_input: bool = True, timeout: float = 300) -> Dict[str, Any]:
+    """Non-streaming request through the HTTP ``/generate`` endpoint; returns the JSON (parsed fields)."""
+    body: Dict[str, Any] = {"text_input": prompt, "apply_chat_template": chat,
+                            "exclude_input_in_output": exclude_input, "return_routing_trace": trace}
+    if sampling is not None:
+        body["sampling_parameters"] = json.dumps(sampling)
+    r = requests.post(f"http://{server.http_url}/v2/models/token_router/generate", json=body, timeout=timeout)
+    out = r.json()
+    out["_status"] = r.status_code
+    for k in ("routing_summary", "routing_trace"):
+        if isinstance(out.get(k), str):
+            out[k] = json.loads(out[k])
+    return out
+
+
+def _input(name, arr, dtype):
+    x = grpcclient.InferInput(name, list(arr.shape), dtype)
+    x.set_data_from_numpy(arr)
+    return x
+
+
+def router_inputs(prompt: str, sampling: Optional[Dict[str, Any]], stream: bool, *, chat=False, trace=True,
+                  exclude_input=True) -> List[Any]:
+    ins = [_input("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
+           _input("stream", np.array([stream]), "BOOL"),
+           _input("apply_chat_template", np.array([chat]), "BOOL"),
+           _input("exclude_input_in_output", np.array([exclude_input]), "BOOL"),
+           _input("return_routing_trace", np.array([trace]), "BOOL")]
+    if sampling is not None:
+        ins.append(_input("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
+                          "BYTES"))
+    return ins
+
+
+def grpc_stream(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, stream: bool = True,
+                chat: bool = False, trace: bool = True, timeout: float = 300,
+                inputs: Optional[List[Any]] = None) -> Dict[str, Any]:
+    """One request over a gRPC stream; returns chunks, final fields, or ``error``."""
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    out: Dict[str, Any] = {"chunks": [], "error": None}
+    try:
+        c.async_stream_infer("token_router", inputs or router_inputs(prompt, sampling, stream, chat=chat,
+                                                                      trace=trace),
+                             enable_empty_final_response=True)
+        deadline = time.time() + timeout
+        while True:
+            result, error = q.get(timeout=max(1.0, deadline - time.time()))
+            if error is not None:
+                out["error"] = str(error)
+                break
+            t = result.as_numpy("text_output")
+            if t is not None and t.size:
+                out["chunks"].append(t.reshape(-1)[0].decode("utf-8"))
+            for k in ("finish_reason", "routing_summary", "routing_trace"):
+                v = result.as_numpy(k)
+                if v is not None and v.size:
+                    out[k] = v.reshape(-1)[0].decode("utf-8")
+                    if k != "finish_reason":
+                        out[k] = json.loads(out[k])
+            for k in ("num_input_tokens", "num_output_tokens"):
+                v = result.as_numpy(k)
+                if v is not None and v.size:
+                    out[k] = int(v.reshape(-1)[0])
+            p = result.get_response().parameters.get("triton_final_response")
+            if p is not None and p.bool_param:
+                break
+    finally:
+        c.stop_stream()
+        c.close()
+    out["text"] = "".join(out["chunks"])
+    return out
+
+
+def model_stats(server, model: str) -> Dict[str, Any]:
+    """Statistics of one LLM subserver (its ``stats`` op, over a gRPC stream)."""
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        ins = [_input("request_id", np.array([[b"stats"]], dtype=np.object_), "BYTES"),
+               _input("op", np.array([[b"stats"]], dtype=np.object_), "BYTES"),
+               _input("input_ids", np.zeros((1, 0), dtype=np.int64), "INT64")]
+        c.async_stream_infer(model, ins)
+        result, error = q.get(timeout=60)
+        if error is not None:
+            raise RuntimeError(str(error))
+        return json.loads(result.as_numpy("event").reshape(-1)[0])
+    finally:
+        c.stop_stream()
+        c.close()
+
+
+def metric_values(server, name: str) -> Dict[str, float]:
+    """Prometheus metric ``name`` from Triton's metrics endpoint: {model label: value}."""
+    text = urllib.request.urlopen(server.metrics_url, timeout=10).read().decode()
+    out = {}
+    for m in re.finditer(r'^' + re.escape(name) + r'\{([^}]*)\}\s+([0-9.eE+-]+)$', text, re.M):
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
+        out[labels.get("model", "")] = float(m.group(2))
+    return out
+
+
+def wait_kv_released(server, models=("slm", "llm"), timeout: float = 30.0) -> Dict[str, Dict[str, Any]]:
+    """Poll the models' stats until no KV is held; return the last stats."""
+    deadline = time.time() + timeout
+    while True:
+        st = {m: model_stats(server, m) for m in models}
+        if all(s["kv_tokens_in_use"] == 0 and s["active"] == 0 for s in st.values()) or time.time() > deadline:
+            return st
+        time.sleep(0.2)
