@@ -1,0 +1,172 @@
+"""Checks of the set-up (deploy/env.sh, prepare_weights, assemble_backends) and of
+the Triton chain with a throwaway decoupled echo model. Not tests of TokenRouter's
+own models."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tritonserver import TritonServer
+
+ENV_VARS = (
+    "VIRTUAL_ENV", "TOKENROUTER_ROOT", "TOKENROUTER_SRC", "TOKENROUTER_CACHE",
+    "TOKENROUTER_WEIGHTS", "TRITONSERVER", "TRITON_BACKEND_DIR", "LD_LIBRARY_PATH",
+)
+
+
+def test_env_exports(repo_root):
+    for var in ENV_VARS:
+        assert os.environ.get(var), f"{var} not exported by deploy/env.sh"
+    assert Path(os.environ["TOKENROUTER_ROOT"]) == repo_root
+    assert Path(os.environ["TOKENROUTER_SRC"]) == repo_root / "python_backend_src"
+    assert os.environ["PATH"].split(":")[0] == os.path.join(os.environ["VIRTUAL_ENV"], "bin")
+    assert Path(sys.prefix) == Path(os.environ["VIRTUAL_ENV"]), "pytest is not the venv's python"
+    pythonpath = os.environ["PYTHONPATH"].split(":")
+    assert str(repo_root / "python_backend_src") in pythonpath and str(repo_root) in pythonpath
+    ld = os.environ["LD_LIBRARY_PATH"].split(":")
+    import sysconfig
+    assert ld[0] == sysconfig.get_config_var("LIBDIR"), "python LIBDIR must come first"
+    assert any(p.endswith("nvidia_pytriton.libs") for p in ld)
+    assert os.access(os.environ["TRITONSERVER"], os.X_OK)
+    import torch
+    if not torch.cuda.is_available():
+        assert os.environ.get("SGLANG_USE_CPU_ENGINE") == "1"
+
+
+def test_backend_dir_has_stub():
+    bdir = Path(os.environ["TRITON_BACKEND_DIR"])
+    stub = bdir / "python" / "triton_python_backend_stub"
+    assert (bdir / "python" / "libtriton_python.so").is_file()
+    assert (bdir / "python" / "triton_python_backend_utils.py").is_file()
+    assert stub.is_file() and os.access(stub, os.X_OK)
+
+
+def test_backend_dir_links_repo_backends(repo_root):
+    bdir = Path(os.environ["TRITON_BACKEND_DIR"])
+    for model_py in (repo_root / "backends").glob("*/model.py"):
+        link = bdir / model_py.parent.name
+        assert link.is_dir() and (link / "model.py").resolve() == model_py.resolve()
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir() -> Path:
+    path = Path(os.environ["TOKENROUTER_WEIGHTS"]) / "smollm2-135m-instruct"
+    assert (path / ".tokenrouter-complete").is_file(), "run deploy/prepare_weights.py"
+    return path
+
+
+def test_weights_answer_paris(smollm2_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32)
+    assert model.config.vocab_size == 49152 and model.config.num_hidden_layers == 30
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True,
+    )
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer, answer
+
+
+def test_size_realistic_config(smollm2_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = smollm2_dir.parent / "llama-size-realistic"
+    cfg = AutoConfig.from_pretrained(path)
+    assert cfg.vocab_size == 49152 and cfg.hidden_size == 2048 and cfg.tie_word_embeddings
+    assert not list(path.glob("*.safetensors")), "size-realistic must have no weights"
+    assert "random" in (path / "README.txt").read_text().lower()
+    a = AutoTokenizer.from_pretrained(path)("What is the capital of France?")["input_ids"]
+    b = AutoTokenizer.from_pretrained(smollm2_dir)("What is the capital of France?")["input_ids"]
+    assert a == b
+
+
+ECHO_MODEL = textwrap.dedent('''
+    import locale
+    locale.setlocale(locale.LC_ALL, "C.UTF-8")  # the stub runs in the C locale
+
+    import json, os, sys
+    if os.environ.get("TOKENROUTER_SRC") not in sys.path:
+        sys.path.insert(0, os.environ["TOKENROUTER_SRC"])  # the stub ignores PYTHONPATH
+
+    import numpy as np
+    import torch
+    import triton_python_backend_utils as pb_utils
+
+
+    class TritonPythonModel:
+        def initialize(self, args):
+            self.info = json.dumps({
+                "prefix": sys.prefix, "isolated": sys.flags.isolated,
+                "torch": torch.__version__, "sum": float(torch.arange(4.0).sum()),
+                "src_on_path": os.environ["TOKENROUTER_SRC"] in sys.path,
+            })
+
+        def execute(self, requests):
+            for request in requests:
+                sender = request.get_response_sender()
+                text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)[0]
+                words = text.decode().split() + [self.info]
+                for i, w in enumerate(words):
+                    out = pb_utils.Tensor("text_output", np.array([w.encode()], dtype=np.object_))
+                    flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if i == len(words) - 1 else 0
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[out]), flags=flags)
+            return None
+''')
+
+ECHO_CONFIG = textwrap.dedent('''
+    backend: "python"
+    max_batch_size: 0
+    model_transaction_policy { decoupled: true }
+    input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+    output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+    instance_group [ { count: 1 kind: KIND_CPU } ]
+''')
+
+
+def test_triton_echo_chain(tmp_path):
+    """tritonserver from env.sh's environment runs a decoupled Python model that
+    imports torch and numpy from the venv; gRPC streaming returns every response."""
+    import tritonclient.grpc as grpcclient
+
+    model = tmp_path / "echo"
+    (model / "1").mkdir(parents=True)
+    (model / "1" / "model.py").write_text(ECHO_MODEL)
+    (model / "config.pbtxt").write_text(ECHO_CONFIG)
+
+    with TritonServer(models={"echo": model}, ready_timeout=180) as server:
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        try:
+            inp = grpcclient.InferInput("text_input", [1], "BYTES")
+            inp.set_data_from_numpy(np.array([b"hello triton world"], dtype=np.object_))
+            client.async_stream_infer("echo", [inp], request_id="1",
+                                      enable_empty_final_response=True)
+            texts = []
+            while True:
+                result, error = results.get(timeout=60)
+                assert error is None, error
+                params = result.get_response().parameters
+                if result.as_numpy("text_output") is not None:
+                    texts.append(result.as_numpy("text_output")[0].decode())
+                if params["triton_final_response"].bool_param:
+                    break
+        finally:
+            client.stop_stream()
+            client.close()
+    assert texts[:3] == ["hello", "triton", "world"]
+    info = json.loads(texts[3])
+    assert Path(info["prefix"]) == Path(os.environ["VIRTUAL_ENV"])
+    assert info["sum"] == 6.0 and info["src_on_path"]

@@ -1,0 +1,221 @@
+"""Run a real Triton Inference Server for tests: ``TritonServer`` context manager.
+
+Needs the environment of ``deploy/env.sh`` (``TRITONSERVER``, ``TRITON_BACKEND_DIR``,
+``LD_LIBRARY_PATH``, the venv first on ``PATH``); ``tests/run`` provides it.
+
+    with TritonServer(model_repository="model_repository") as server:
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+
+    # or: a copy of a repository, or models written by the test itself
+    with TritonServer(models={"echo": "/path/to/echo"}, copy=True) as server: ...
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterable, Mapping, Sequence
+
+__all__ = ["TritonServer", "TritonServerError", "free_ports"]
+
+
+class TritonServerError(RuntimeError):
+    pass
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports that are free right now (bound together, then released)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - 64 * 1024))
+            return b"\n".join(fh.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+class TritonServer:
+    """A tritonserver process on free ports; ``start()`` returns once it is ready.
+
+    model_repository: a repository folder to serve (used in place unless ``copy``).
+    models: ``{name: folder}`` to place into a fresh temporary repository (copied).
+    copy: serve a temporary copy of model_repository (tests may then edit it).
+    ready_timeout: seconds to wait for ``/v2/health/ready``; on timeout or an early
+        exit a ``TritonServerError`` carries the log tail.
+    extra_args: more tritonserver flags (e.g. ``["--log-verbose=1"]``).
+    env: extra environment variables for the server (and its Python stubs).
+    """
+
+    def __init__(
+        self,
+        model_repository: str | os.PathLike | None = None,
+        *,
+        models: Mapping[str, str | os.PathLike] | None = None,
+        copy: bool = False,
+        ready_timeout: float = 300.0,
+        stop_timeout: float = 60.0,
+        extra_args: Sequence[str] = (),
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike | None = None,
+        tritonserver: str | None = None,
+        backend_directory: str | None = None,
+    ):
+        if model_repository is None and not models:
+            raise ValueError("give model_repository or models")
+        self._src_repo = Path(model_repository) if model_repository is not None else None
+        self._models = dict(models or {})
+        self._copy = copy
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.extra_args = list(extra_args)
+        self.env = dict(env or {})
+        self.tritonserver = tritonserver or os.environ.get("TRITONSERVER")
+        self.backend_directory = backend_directory or os.environ.get("TRITON_BACKEND_DIR")
+        if not self.tritonserver or not self.backend_directory:
+            raise TritonServerError(
+                "TRITONSERVER / TRITON_BACKEND_DIR are not set: run through tests/run "
+                "or `source deploy/env.sh && bash deploy/assemble_backends.sh`"
+            )
+        self._workdir: Path | None = None
+        self._log_arg = Path(log_path) if log_path else None
+        self.log_path: Path | None = None
+        self.model_repository: Path | None = None
+        self.process: subprocess.Popen | None = None
+        self.http_port = self.grpc_port = self.metrics_port = 0
+
+    # -- urls -----------------------------------------------------------------
+    @property
+    def http_url(self) -> str:
+        """host:port, as tritonclient.http expects (no scheme)."""
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    # -- lifecycle --------------------------------------------------------------
+    def _prepare_repository(self) -> Path:
+        assert self._workdir is not None
+        if self._src_repo is not None and not self._copy and not self._models:
+            if not self._src_repo.is_dir():
+                raise TritonServerError(f"model repository {self._src_repo} does not exist")
+            return self._src_repo.resolve()
+        repo = self._workdir / "model_repository"
+        repo.mkdir()
+        ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+        if self._src_repo is not None:
+            shutil.copytree(self._src_repo, repo, dirs_exist_ok=True, ignore=ignore)
+        for name, folder in self._models.items():
+            shutil.copytree(folder, repo / name, dirs_exist_ok=True, ignore=ignore)
+        return repo
+
+    def start(self) -> "TritonServer":
+        if self.process is not None:
+            raise TritonServerError("already started")
+        self._workdir = Path(tempfile.mkdtemp(prefix="tritonserver-test-"))
+        self.model_repository = self._prepare_repository()
+        self.log_path = self._log_arg or (self._workdir / "tritonserver.log")
+        self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+        cmd = [
+            self.tritonserver,
+            "--backend-directory", str(self.backend_directory),
+            "--model-repository", str(self.model_repository),
+            "--http-port", str(self.http_port),
+            "--grpc-port", str(self.grpc_port),
+            "--metrics-port", str(self.metrics_port),
+            *self.extra_args,
+        ]
+        env = {**os.environ, **self.env}
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,
+            )
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(
+                f"http://{self.http_url}/v2/health/ready", timeout=2
+            ) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.ready_timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise TritonServerError(
+                    f"tritonserver exited with code {code} before it was ready; "
+                    f"log {self.log_path}:\n{self.log_tail()}"
+                )
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        raise TritonServerError(
+            f"tritonserver not ready after {self.ready_timeout:.0f} s; "
+            f"log {self.log_path}:\n{self.log_tail()}"
+        )
+
+    def log_tail(self, lines: int = 60) -> str:
+        return _tail(self.log_path, lines) if self.log_path else ""
+
+    def stop(self) -> int | None:
+        """SIGINT (graceful), SIGKILL after stop_timeout. Returns the exit code."""
+        proc, self.process = self.process, None
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                # Stubs live in the server's session: kill the whole group.
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        return proc.returncode
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return (f"TritonServer(http={self.http_url}, grpc={self.grpc_url}, "
+                f"repo={self.model_repository}, log={self.log_path})")
