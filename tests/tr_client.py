@@ -13,6 +13,8 @@ import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
 
+from tokenrouter import admin
+
 
 def generate(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, chat: bool = False,
              trace: bool = True, exclude_input: bool = True, timeout: float = 300) -> Dict[str, Any]:
@@ -91,22 +93,8 @@ def grpc_stream(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, 
 
 
 def model_stats(server, model: str) -> Dict[str, Any]:
-    """Statistics of one LLM subserver (its ``stats`` op, over a gRPC stream)."""
-    q: "queue.Queue" = queue.Queue()
-    c = grpcclient.InferenceServerClient(server.grpc_url)
-    c.start_stream(callback=lambda result, error: q.put((result, error)))
-    try:
-        ins = [_input("request_id", np.array([[b"stats"]], dtype=np.object_), "BYTES"),
-               _input("op", np.array([[b"stats"]], dtype=np.object_), "BYTES"),
-               _input("input_ids", np.zeros((1, 0), dtype=np.int64), "INT64")]
-        c.async_stream_infer(model, ins)
-        result, error = q.get(timeout=60)
-        if error is not None:
-            raise RuntimeError(str(error))
-        return json.loads(result.as_numpy("event").reshape(-1)[0])
-    finally:
-        c.stop_stream()
-        c.close()
+    """Statistics of one LLM subserver (its ``stats`` op)."""
+    return admin.model_stats(server.grpc_url, model)
 
 
 def metric_values(server, name: str) -> Dict[str, float]:

@@ -148,6 +148,9 @@ class TritonServer:
             "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),
+            # one model at a time: several Python stubs importing torch at once on
+            # 2 cores once left one instance hanging in its initialisation
+            "--model-load-thread-count=1",
             *self.extra_args,
         ]
         env = {**os.environ, **self.env}

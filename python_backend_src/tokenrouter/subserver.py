@@ -56,6 +56,8 @@ class SubserverConfig:
         readmit_on_resume: std-serving baseline — a returning request is
             re-admitted as new: its KV is freed and its whole context
             re-prefilled (no pending state).
+        lockstep: lock-step baseline — a :class:`~tokenrouter.lockstep.TurnRing`
+            this model steps in turn with its peers, or None (own pace).
     """
 
     delayed_batch_size: int = 1
@@ -63,6 +65,7 @@ class SubserverConfig:
     stream_interval: int = 1
     max_batch: int = 64
     readmit_on_resume: bool = False
+    lockstep: Optional[Any] = None
 
 
 @dataclass
@@ -160,7 +163,10 @@ class Subserver:
 
         Keys: kv_tokens_in_use, kv_capacity_tokens, kv_rows_in_use, active,
         pending, ready, waiting, steps, decode_tokens, extend_tokens,
-        handoffs_out, step_time_s, finished, cancelled, errors.
+        handoffs_out, finished, cancelled, errors and the step-time breakdown
+        in seconds: step_time_s = forward_s (model forward incl. batch
+        preparation) + route_s (sampling, entropy, route/send decisions) +
+        send_s (streaming responses through Triton).
         """
         def snap():
             active = len(self.requests)
@@ -179,16 +185,31 @@ class Subserver:
                                                   "handoffs_out", "finished", "cancelled", "errors",
                                                   "requests_in")},
                 "step_time_s": self.counters["step_time_us"] / 1e6,
+                "forward_s": self.counters["forward_us"] / 1e6,
+                "route_s": self.counters["route_us"] / 1e6,
+                "send_s": self.counters["send_us"] / 1e6,
                 "delayed_batch_size": self.config.delayed_batch_size,
             }
         return self.call(snap)
 
-    def set_delayed_batching(self, batch_size: int, max_wait_s: float) -> None:
-        """Change B_i and the wait bound at run time (online adaptation)."""
-        if batch_size < 1 or max_wait_s < 0:
-            raise ValueError("delayed batch size must be >= 1 and the wait >= 0")
-        self.call(lambda: (setattr(self.config, "delayed_batch_size", int(batch_size)),
-                           setattr(self.config, "max_wait_s", float(max_wait_s))))
+    def reconfigure(self, **changes: Any) -> None:
+        """Change scheduling settings at run time, on the loop thread (between steps).
+
+        Keys: ``delayed_batch_size`` (B_i >= 1), ``max_wait_s`` (>= 0),
+        ``stream_interval`` (>= 1), ``readmit_on_resume`` (bool), ``lockstep``
+        (a TurnRing or None).  Used for online adaptation of B* and to switch
+        baselines without restarting the server.
+
+        Raises:
+            ValueError: unknown key or invalid value.
+        """
+        unknown = set(changes) - set(SubserverConfig.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown scheduling settings: {sorted(unknown)}")
+        if changes.get("delayed_batch_size", 1) < 1 or changes.get("max_wait_s", 0) < 0 \
+                or changes.get("stream_interval", 1) < 1:
+            raise ValueError("delayed_batch_size and stream_interval must be >= 1, max_wait_s >= 0")
+        self.call(lambda: [setattr(self.config, k, v) for k, v in changes.items()])
 
     def stop(self) -> None:
         """Stop the loop; close every open segment with ``cancelled``."""
@@ -212,9 +233,15 @@ class Subserver:
                             self._handle(self.inbox.get_nowait())
                         except queue.Empty:
                             break
-                if self._should_step():
+                ring = self.config.lockstep
+                if ring is not None:
+                    if ring.mine():
+                        if self.ready:
+                            self._step()
+                        ring.pass_turn()
+                elif self._should_step():
                     self._step()
-                elif not self.ready and self.on_idle is not None:
+                if not self.ready and self.on_idle is not None:
                     self.on_idle()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 logger.exception("decode loop of %s: unexpected error", self.name)
@@ -223,6 +250,8 @@ class Subserver:
             self._release(rid, "cancelled", "server shutting down")
 
     def _wait_timeout(self) -> Optional[float]:
+        if self.config.lockstep is not None:
+            return 0.0005  # poll the turn ring
         if not self.ready:
             return None
         if len(self.ready) >= self.config.delayed_batch_size:
@@ -295,7 +324,9 @@ class Subserver:
         if self.name not in peer_req.models:
             raise ValueError(f"model {self.name!r} is not in the request's model list {peer_req.models}")
         cls = get_algorithm(peer_req.algorithm)
-        return cls(peer_req.models.index(self.name), len(peer_req.models), peer_req.params)
+        algo = cls(peer_req.models.index(self.name), len(peer_req.models), peer_req.params)
+        algo.attach(self.engine)  # learned routers: hidden-state capture check, embeddings
+        return algo
 
     def _admit(self, peer_req: PeerReq, sink: Sink, algo: RoutingAlgorithm, need: int) -> None:
         seq = self.engine.add(peer_req.rid, peer_req.tokens)
@@ -334,6 +365,7 @@ class Subserver:
         self.ready.pop(lr.rid, None)
         toks, lr.unflushed = lr.unflushed, []
         if sink is not None:
+            info = {**info, "scores": lr.algo.take_scores()}
             try:
                 sink(kind, toks, info)
             except Exception:  # noqa: BLE001
@@ -379,6 +411,7 @@ class Subserver:
                 self._end_segment(lr, "error", {"message": f"forward failed on model {self.name}: {e}"})
                 self._release(lr.rid, "error", str(e))
             return
+        t_fwd = time.perf_counter()
         logits = out.logits
         logp = torch.log_softmax(logits, dim=-1)
         ent = (-(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])).tolist()
@@ -391,6 +424,7 @@ class Subserver:
         self.counters["decode_tokens"] += len(batch) - out.num_extend
         committed_total = 0
         handoff_events = []
+        send_s = 0.0
         for i, lr in enumerate(batch):
             hdr = lr.header
             res = StepResult(rid=lr.rid, model_index=lr.algo.model_index, token_id=toks[i],
@@ -398,6 +432,7 @@ class Subserver:
                              hidden=None if out.hidden is None else out.hidden[i],
                              logits=logits[i], state=lr)
             k = lr.algo.route(res)
+            lr.algo.step_scores.append(lr.algo.last_score)
             hdr.step += 1
             commit = k == 0 or lr.algo.commit_on_handoff(res)
             finished_reason = None
@@ -420,26 +455,34 @@ class Subserver:
                 pr = lr.algo.send(lr)
                 lr.loc = len(lr.seq.tokens)
                 self.counters["handoffs_out"] += 1
-                handoff_events.append((lr.rid, hdr.step, hdr.models[peer], 1 if commit else 0))
+                handoff_events.append((lr.rid, hdr.step, hdr.models[peer], 1 if commit else 0,
+                                       lr.algo.last_score))
+                ts = time.perf_counter()
                 self._end_segment(lr, "handoff", {"to": hdr.models[peer], "to_index": peer,
                                                   "peer_req": pr.header_json(),
                                                   "committed": bool(commit)})
+                send_s += time.perf_counter() - ts
             elif len(lr.unflushed) >= self.config.stream_interval:
                 toks_out, lr.unflushed = lr.unflushed, []
+                ts = time.perf_counter()
                 try:
-                    lr.sink("tokens", toks_out, {})
+                    lr.sink("tokens", toks_out, {"scores": lr.algo.take_scores()})
                 except Exception:  # noqa: BLE001
                     logger.exception("sink of %s failed", lr.rid)
-        dt = time.perf_counter() - t0
-        self.counters["step_time_us"] += int(dt * 1e6)
+                send_s += time.perf_counter() - ts
+        t_end = time.perf_counter()
+        self.counters["step_time_us"] += int((t_end - t0) * 1e6)
+        self.counters["forward_us"] += int((t_fwd - t0) * 1e6)
+        self.counters["send_us"] += int(send_s * 1e6)
+        self.counters["route_us"] += int((t_end - t_fwd - send_s) * 1e6)
         if self.event_sink is not None:
             now = time.time()
             self.event_sink({"event": "step", "model": self.name, "batch_size": len(batch),
                              "latency_s": round(out.latency_s, 6), "tokens_committed": committed_total,
                              "extend_tokens": out.extend_tokens, "t": now})
-            for rid, step, peer, c in handoff_events:
+            for rid, step, peer, c, score in handoff_events:
                 self.event_sink({"event": "handoff", "request_id": rid, "step": step, "from": self.name,
-                                 "to": peer, "tokens_committed": c, "t": now})
+                                 "to": peer, "tokens_committed": c, "score": score, "t": now})
         # requests that stepped and stay go to the back of the queue; their
         # delayed-batching wait restarts at the end of this step
         now_pc = time.perf_counter()

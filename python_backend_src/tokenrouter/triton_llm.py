@@ -4,7 +4,9 @@ Wire protocol (the router's BLS calls; clients normally talk to ``token_router``
 
 Inputs
     ``request_id`` BYTES [1]   request id
-    ``op`` BYTES [1]           ``run`` (default), ``release`` or ``stats``
+    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats`` or ``configure``
+                               (``peer_req`` then holds scheduling settings to change
+                               at run time, e.g. {"delayed_batch_size": B}: see _configure)
     ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
     ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.protocol.PeerReq`)
 
@@ -15,8 +17,12 @@ Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
 Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
 ``kv_pool_tokens``, ``max_running_requests``, ``context_length``,
 ``torch_threads``, ``load_format``, ``random_seed``, ``delayed_batch_size``,
-``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``,
-``event_log``.  Custom metrics on Triton's metrics endpoint:
+``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``
+(std-serving baseline), ``lockstep_group`` (lock-step baseline: comma-separated
+models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}``
+is replaced by the model name), ``capture_hidden`` (return the last hidden
+state of every step to the routing algorithm: needed on model 0 by the learned
+routers of CITER, R2R and Co-LLM).  Custom metrics on Triton's metrics endpoint:
 ``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
 ``tokenrouter_extend_tokens_total``, ``tokenrouter_decode_tokens_total``,
 ``tokenrouter_active_requests`` (label ``model``).
@@ -35,6 +41,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from .engine import EngineConfig, SGLangEngine
+from .lockstep import TurnRing, default_ring_path
 from .protocol import PeerReq
 from .subserver import FINAL_KINDS, Subserver, SubserverConfig
 from .triton_common import model_parameters, param, resolve_model_path
@@ -87,6 +94,7 @@ class TritonPythonModel:
             torch_threads=param(p, "torch_threads", 0, int),
             load_format=param(p, "load_format", "auto"),
             random_seed=param(p, "random_seed", 0, int),
+            capture_hidden=param(p, "capture_hidden", False, bool),
         )
         sched = SubserverConfig(
             delayed_batch_size=max(1, param(p, "delayed_batch_size", 1, int)),
@@ -94,6 +102,9 @@ class TritonPythonModel:
             stream_interval=max(1, param(p, "stream_interval", 1, int)),
             readmit_on_resume=param(p, "readmit_on_resume", False, bool),
         )
+        group = param(p, "lockstep_group", "")
+        if group:
+            sched.lockstep = self._ring(group)
         t0 = time.time()
         self.engine = SGLangEngine(self.engine_config)
         logger.info("model %s loaded in %.1fs", self.name, time.time() - t0)
@@ -106,7 +117,8 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- metrics
     def _init_metrics(self) -> None:
-        G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.GAUGE
+        # every family is a gauge set from the loop's counters (set() keeps them exact)
+        G = C = pb_utils.MetricFamily.GAUGE
         fams = {
             "kv_tokens_in_use": ("tokenrouter_kv_tokens_in_use", "KV token slots allocated (running + pending)", G),
             "kv_rows_in_use": ("tokenrouter_kv_rows_in_use", "KV request rows held (running + pending)", G),
@@ -138,6 +150,33 @@ class TritonPythonModel:
             "active": len(s.requests), "extend_tokens": s.counters["extend_tokens"],
             "decode_tokens": s.counters["decode_tokens"], "handoffs_out": s.counters["handoffs_out"]})
 
+    def _configure(self, cfg: Dict[str, Any]) -> None:
+        """Apply a ``configure`` op: the same keys as the config parameters
+        ``delayed_batch_size``, ``delayed_batch_max_wait_us``, ``stream_interval``,
+        ``readmit_on_resume``, ``lockstep_group`` ("" turns lock-step off)."""
+        if not isinstance(cfg, dict):
+            raise ValueError("configure expects a JSON object")
+        conv = {"delayed_batch_size": ("delayed_batch_size", int),
+                "delayed_batch_max_wait_us": ("max_wait_s", lambda v: float(v) / 1e6),
+                "stream_interval": ("stream_interval", int),
+                "readmit_on_resume": ("readmit_on_resume", bool)}
+        changes = {}
+        for k, v in cfg.items():
+            if k in conv:
+                name, f = conv[k]
+                changes[name] = f(v)
+            elif k == "lockstep_group":
+                changes["lockstep"] = self._ring(str(v)) if v else None
+            else:
+                raise ValueError(f"unknown configure key {k!r}; allowed: {sorted([*conv, 'lockstep_group'])}")
+        self.subserver.reconfigure(**changes)
+
+    def _ring(self, group: str):
+        members = [m.strip() for m in group.split(",") if m.strip()]
+        if self.name not in members:
+            raise ValueError(f"lockstep_group {group!r} does not list this model ({self.name!r})")
+        return TurnRing(default_ring_path(group), members.index(self.name), len(members))
+
     # --------------------------------------------------------------- execute
     def execute(self, requests: List[Any]) -> None:
         for request in requests:
@@ -150,6 +189,9 @@ class TritonPythonModel:
                 if op == "release":
                     self.subserver.release(rid)
                     sender.send(self._response([], {"kind": "released"}), flags=_FINAL)
+                elif op == "configure":
+                    self._configure(json.loads(_str_input(request, "peer_req", "{}") or "{}"))
+                    sender.send(self._response([], {"kind": "configured"}), flags=_FINAL)
                 elif op == "stats":
                     sender.send(self._response([], {"kind": "stats", **self.subserver.stats()}), flags=_FINAL)
                 elif op == "run":
@@ -160,7 +202,7 @@ class TritonPythonModel:
                         pr.rid = rid
                     self.subserver.submit(pr, self._make_sink(sender))
                 else:
-                    raise ValueError(f"unknown op {op!r}; expected run, release or stats")
+                    raise ValueError(f"unknown op {op!r}; expected run, release, stats or configure")
             except Exception as e:  # noqa: BLE001 - answer this request only
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
         return None

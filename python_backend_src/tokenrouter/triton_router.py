@@ -21,7 +21,13 @@ Outputs
     ``text_output`` BYTES, ``finish_reason`` BYTES, ``num_input_tokens`` INT32,
     ``num_output_tokens`` INT32, ``routing_summary`` BYTES (JSON:
     tokens_by_model, handoffs, handoffs_by_pair, algorithm), ``routing_trace``
-    BYTES (JSON: models, per-output-token model index, output token ids) when asked.
+    BYTES (JSON: models, per-output-token model index ``trace``, output
+    ``token_ids``, per-output-token router ``scores`` -- the score the writing
+    model's rule compared with its threshold at that step, null where none --
+    and ``handoffs``: one ``{"pos", "from", "to", "committed", "score"}`` per
+    handoff, ``pos`` = output tokens committed when it happened, ``score`` =
+    the handoff step's score; with ``committed`` false that step's token was
+    discarded) when asked.
 
 Config parameters: ``models`` (comma-separated, deployment order; model 0 is
 the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
@@ -95,6 +101,8 @@ class _Job:
     tokens_by_model: Dict[str, int] = field(default_factory=dict)
     pairs: Dict[str, int] = field(default_factory=dict)
     trace: List[int] = field(default_factory=list)
+    scores: List[Optional[float]] = field(default_factory=list)
+    handoff_log: List[Dict[str, Any]] = field(default_factory=list)
 
 
 class TritonPythonModel:
@@ -247,7 +255,7 @@ class TritonPythonModel:
                          stop_token_ids=[] if job.sp.ignore_eos else self.stop_token_ids,
                          sampling=job.sp.sampler_dict(), algorithm=self.algorithm, params=job.params,
                          models=models)
-        current = self.algo_cls.first_model(job.params)
+        current = self.algo_cls.first_model(job.params, rid=job.rid, sampling=header.sampling)
         finish: Optional[str] = None
         handoffs = 0
         try:
@@ -265,7 +273,9 @@ class TritonPythonModel:
                     ev_t = pb_utils.get_output_tensor_by_name(resp, "event")
                     ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).tolist()
                     ev = {} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0])
+                    scores = ev.get("scores") or []
                     if ids:
+                        job.scores.extend((scores + [None] * len(ids))[:len(ids)])
                         seq.extend(ids)
                         seen[current] = len(seq)
                         job.tokens_by_model[name] = job.tokens_by_model.get(name, 0) + len(ids)
@@ -280,6 +290,9 @@ class TritonPythonModel:
                     kind = ev.get("kind")
                     if kind == "handoff":
                         handoff = ev
+                        job.handoff_log.append({"pos": len(seq) - n_prompt, "from": current,
+                                                "to": int(ev["to_index"]), "committed": bool(ev.get("committed")),
+                                                "score": scores[-1] if scores else None})
                     elif kind == "finished":
                         finish = finish or ev.get("finish_reason", FinishReason.STOP.value)
                         released_by_model.add(current)
@@ -332,7 +345,8 @@ class TritonPythonModel:
             pb_utils.Tensor("routing_summary", np.asarray([json.dumps(summary).encode()], dtype=np.object_)),
         ]
         if job.want_trace:
-            tr = json.dumps({"models": models, "trace": job.trace, "token_ids": out_ids})
+            tr = json.dumps({"models": models, "trace": job.trace, "token_ids": out_ids, "scores": job.scores,
+                             "handoffs": job.handoff_log})
             tensors.append(pb_utils.Tensor("routing_trace", np.asarray([tr.encode()], dtype=np.object_)))
         job.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL)
 

@@ -13,33 +13,62 @@ by default).  After every forward step the subserver calls :meth:`route` with a
   uncertain token so the LLM regenerates it).  :meth:`send` then packs the
   PeerReq, the request becomes *pending* here (KV kept) and the peer's
   :meth:`receive` turns the PeerReq into local work.
+
+Observability: ``route`` sets :attr:`RoutingAlgorithm.last_score` to the score
+its rule compared with the threshold (entropy, router probability, …; ``None``
+when the rule has none, e.g. the LLM's unconditional hand-back).  The subserver
+appends it to :attr:`RoutingAlgorithm.step_scores` after every step and ships
+the buffered scores with each chunk it sends to the router
+(:meth:`take_scores`), which puts them into the client's ``routing_trace``
+(``scores`` per output token, ``handoffs`` with the score of the handoff step)
+and into the ``handoff`` events of the event log (``score``).
+
+Engine access: the subserver calls :meth:`attach` with its engine once per
+instance, before the first ``route``; algorithms that need hidden states or
+the token-embedding matrix take them there (and raise ValueError with a clear
+message when the model does not capture hidden states).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Optional
+import hashlib
+import struct
+from typing import Any, Callable, Dict, List, Optional
 
 from ..protocol import PeerReq, Status, StepResult
 
-__all__ = ["RoutingAlgorithm", "ParamSpec"]
+__all__ = ["RoutingAlgorithm", "ParamSpec", "request_uniform", "request_key"]
 
 
 class ParamSpec:
     """One algorithm parameter: type, default, bounds.
 
     Args:
-        kind: ``float``, ``int`` or ``bool``.
-        default: value when not configured.
+        kind: ``float``, ``int``, ``bool`` or ``str``.
+        default: value when not configured (may be ``None``: "decided by the
+            algorithm", e.g. a learned router's threshold stored in its file).
         lo, hi: inclusive bounds (None: unbounded).
         doc: one-line description.
+        parse: optional callable turning the raw value into the final one
+            (raises ValueError); replaces the kind/bounds checks.
     """
 
-    def __init__(self, kind, default, lo=None, hi=None, doc=""):
+    def __init__(self, kind, default, lo=None, hi=None, doc="", parse: Optional[Callable[[Any], Any]] = None):
         self.kind, self.default, self.lo, self.hi, self.doc = kind, default, lo, hi, doc
+        self.parse = parse
 
     def check(self, name: str, value: Any) -> Any:
         """Return ``value`` converted to ``kind``; raise ValueError naming ``name``."""
+        if self.parse is not None:
+            try:
+                return self.parse(value)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"routing parameter {name!r}: {e}") from None
+        if self.kind is str:
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"routing parameter {name!r} must be a non-empty string, got {value!r}")
+            return value
         if self.kind is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
                 return value.lower() in ("true", "1")
@@ -83,6 +112,26 @@ class RoutingAlgorithm:
         self.model_index = model_index
         self.num_models = num_models
         self.params = params
+        #: score the latest :meth:`route` compared with its threshold (None: no score)
+        self.last_score: Optional[float] = None
+        #: per-step scores not yet shipped to the router (filled by the subserver)
+        self.step_scores: List[Optional[float]] = []
+
+    def attach(self, engine) -> None:
+        """Bind to the model's engine (called once by the subserver before ``route``).
+
+        Default: nothing.  Learned routers check that hidden states are captured
+        and fetch the input-embedding matrix here.
+
+        Raises:
+            ValueError: the engine cannot serve this algorithm (message says why).
+        """
+        return None
+
+    def take_scores(self) -> List[Optional[float]]:
+        """The buffered per-step scores (oldest first); empties the buffer."""
+        out, self.step_scores = self.step_scores, []
+        return out
 
     # --------------------------------------------------------------- config
     @classmethod
@@ -102,7 +151,8 @@ class RoutingAlgorithm:
                              f"allowed: {sorted(cls.params_spec)}")
         out = {}
         for k, spec in cls.params_spec.items():
-            out[k] = spec.check(k, params[k]) if k in params else spec.default
+            given = k in params and not (params[k] is None and spec.default is None)
+            out[k] = spec.check(k, params[k]) if given else spec.default
         return out
 
     def peers(self) -> List[int]:
@@ -114,8 +164,15 @@ class RoutingAlgorithm:
         return self.peers()[k - 1]
 
     @staticmethod
-    def first_model(params: Dict[str, Any]) -> int:
-        """Model that writes a request's first token (default: model 0, the SLM)."""
+    def first_model(params: Dict[str, Any], rid: Optional[str] = None,
+                    sampling: Optional[Dict[str, Any]] = None) -> int:
+        """Model that writes a request's first token (default: model 0, the SLM).
+
+        Args:
+            params: validated parameters.
+            rid: request id; sampling: the request's sampling dict (its ``seed``)
+                -- for algorithms whose choice is random (ME).
+        """
         return 0
 
     # ------------------------------------------------------------ interface
@@ -142,3 +199,26 @@ class RoutingAlgorithm:
         Default (paper): append the received suffix and queue the request to resume.
         """
         return list(peer_req.tokens)
+
+
+def request_uniform(tag: str, key: str, index: int) -> float:
+    """A uniform number in [0, 1) that depends only on (tag, key, index).
+
+    Randomised rules (ME's model draw, Co-LLM's compose mode) must give the same
+    draw whichever model's instance asks (instances are per visit, and the
+    router draws the first model), so the draw is a hash, not an RNG state.
+
+    Args:
+        tag: namespace (algorithm name and its seed parameter).
+        key: request key: ``"seed:<n>"`` when the client gave a sampling seed,
+            else ``"rid:<request id>"`` (see :func:`request_key`).
+        index: output-token index the draw is for (0 = first output token).
+    """
+    h = hashlib.blake2b(f"{tag}|{key}|{index}".encode(), digest_size=8).digest()
+    return (struct.unpack("<Q", h)[0] >> 11) / float(1 << 53)
+
+
+def request_key(rid: Optional[str], sampling: Optional[Dict[str, Any]]) -> str:
+    """The key of :func:`request_uniform`: the sampling seed if given, else the request id."""
+    seed = (sampling or {}).get("seed")
+    return f"seed:{int(seed)}" if seed is not None else f"rid:{rid}"

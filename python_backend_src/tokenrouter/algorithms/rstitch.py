@@ -7,6 +7,8 @@ exceeds τ, its uncertain token is discarded and the LLM regenerates it from the
 full prefix.  The LLM keeps writing while its own normalised entropy stays
 above τ and hands back once it is ≤ τ (the confident token is kept).
 Paper setting: τ = 0.03.
+
+Trace score: the normalised entropy of the step (``last_score``).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ class RStitch(RoutingAlgorithm):
     def route(self, result: StepResult) -> int:
         """SLM: hand over (1) when H/log V > τ.  LLM: hand back (1) when H/log V ≤ τ."""
         tau = self.params["tau"]
+        self.last_score = float(result.norm_entropy)
         if self.model_index == 0:
             return 1 if result.norm_entropy > tau else 0
         return 1 if result.norm_entropy <= tau else 0
@@ -42,7 +45,7 @@ class NoRouting(RoutingAlgorithm):
     max_models = None
 
     @staticmethod
-    def first_model(params) -> int:
+    def first_model(params, rid=None, sampling=None) -> int:
         return int(params.get("model", 0))
 
     def route(self, result: StepResult) -> int:

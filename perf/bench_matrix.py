@@ -1,0 +1,286 @@
+"""The benchmark matrix: TokenRouter against its baselines, measured in one run.
+
+For each pair (demo, size-realistic) one real tritonserver is started on a
+variant of model_repository; the modes are switched at run time through the
+models' ``configure`` op (same code, one switch each), so every ratio compares
+runs of the same server process:
+
+==============  =============================================================
+tokenrouter     own pace per model, pending-state resume, delayed batching
+                with B* from scheduler_model (profile measured in this run)
+eager-async     the same, B = 1 and no delay
+std-serving     a returning request is re-admitted and re-prefilled (no pending state)
+lock-step       models step in turn, one global step at a time (official style)
+llm-only        no routing: the LLM writes every token (router algorithm "none")
+slm-only        no routing: the SLM writes every token
+==============  =============================================================
+
+Per cell (mode × concurrency N × max output tokens) it prints decode tokens/s,
+TTFT, ITL p50/p99, end-to-end latency, LLM token share and handoffs per request,
+then ratios of tokenrouter against each baseline.  Results: JSON, a markdown
+table and PNG plots under --out.
+
+Scaled for a 2-core CPU by default (output lengths 16/64 tokens instead of the
+issue's 128/512, one request per client); ``--full`` restores 128/512 and
+three requests per client for GPU hosts.
+
+    source deploy/env.sh && python perf/bench_matrix.py            # ~15 min here
+    python perf/bench_matrix.py --pairs demo --concurrency 1,4 --max-tokens 16   # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"), ROOT, HERE):
+    if p not in sys.path:
+        sys.path.insert(0, p)
+
+from loadgen import run_load, summarize  # noqa: E402
+from tokenrouter import admin  # noqa: E402
+from tokenrouter.repository import make_variant  # noqa: E402
+from tritonserver import TritonServer  # noqa: E402
+
+MODELS = ["slm", "llm"]
+ALL_MODES = ["tokenrouter", "eager-async", "std-serving", "lock-step", "llm-only", "slm-only"]
+BASELINES = ["eager-async", "std-serving", "lock-step", "llm-only", "slm-only"]
+RESET = {"delayed_batch_size": 1, "delayed_batch_max_wait_us": 0, "readmit_on_resume": False,
+         "lockstep_group": ""}
+
+
+def _prompts() -> List[str]:
+    with open(os.path.join(HERE, "prompts.txt"), encoding="utf-8") as f:
+        return [line.strip() for line in f if line.strip()]
+
+
+def _events_size(path: str) -> int:
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def _read_slice(path: str, start: int) -> List[str]:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return [ln.decode() for ln in f.read().splitlines() if ln.strip()]
+
+
+def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -> Dict[str, Any]:
+    """Profile the run's routing events and solve the DTMC (SLM threshold fixed at 1, as in the paper)."""
+    ev = os.path.join(workdir, f"events-N{concurrency}.jsonl")
+    with open(ev, "w") as f:
+        f.write("\n".join(event_lines) + "\n")
+    prof = os.path.join(workdir, f"profile-N{concurrency}.json")
+    py = sys.executable
+    subprocess.run([py, "-m", "scheduler_model", "profile", "--events", ev, "--models", ",".join(MODELS),
+                    "--concurrency", str(concurrency), "-o", prof], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL)
+    with open(prof) as f:
+        profile = json.load(f)
+    profile["fixed_thresholds"] = {"slm": 1}
+    with open(prof, "w") as f:
+        json.dump(profile, f)
+    out = subprocess.run([py, "-m", "scheduler_model", "solve", "--profile", prof, "--json"], check=True,
+                         cwd=ROOT, capture_output=True, text=True)
+    res = json.loads(out.stdout)
+    res["profile"] = profile
+    return res
+
+
+def _lat(profile: Dict[str, Any], model: str) -> float:
+    v = profile["step_latency_s"][model]
+    return float(v if not isinstance(v, dict) else v[sorted(v, key=int)[0]])
+
+
+def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
+    work = os.path.join(out_dir, f"run-{pair}")
+    os.makedirs(work, exist_ok=True)
+    events = {m: os.path.join(work, f"events-{m}.jsonl") for m in MODELS}
+    repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), pair,
+                        model_params={m: {"event_log": events[m]} for m in MODELS},
+                        routers={"token_router_llm_only": {"algorithm": "none", "algorithm_params": '{"model": 1}'},
+                                 "token_router_slm_only": {"algorithm": "none", "algorithm_params": '{"model": 0}'}})
+    prompts = _prompts()
+    print(f"\n== pair {pair}: starting tritonserver", flush=True)
+    with TritonServer(repo, ready_timeout=900, log_path=os.path.join(work, "tritonserver.log")) as srv:
+        url = srv.grpc_url
+        run_load(url, prompts, 2, 8)  # warm-up
+        for L in args.max_tokens:
+            for N in args.concurrency:
+                bstar = None
+                for mode in args.modes:
+                    for m in MODELS:
+                        admin.configure(url, m, **RESET)
+                    router = "token_router"
+                    if mode == "tokenrouter":
+                        if bstar is None:  # profile an eager run at this (N, L) first
+                            start = {m: _events_size(events[m]) for m in MODELS}
+                            run_load(url, prompts, N, L, args.requests_per_client)
+                            lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
+                            bstar = b_star_from_events(lines, N, work)
+                        B = bstar["B_star"]
+                        wait_us = int(1e6 * args.wait_factor * _lat(bstar["profile"], "slm"))
+                        for m in MODELS:
+                            admin.configure(url, m, delayed_batch_size=int(B[m]),
+                                            delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
+                    elif mode == "std-serving":
+                        for m in MODELS:
+                            admin.configure(url, m, readmit_on_resume=True)
+                    elif mode == "lock-step":
+                        for m in MODELS:
+                            admin.configure(url, m, lockstep_group=",".join(MODELS))
+                    elif mode == "llm-only":
+                        router = "token_router_llm_only"
+                    elif mode == "slm-only":
+                        router = "token_router_slm_only"
+                    before = {m: admin.model_stats(url, m) for m in MODELS}
+                    run = run_load(url, prompts, N, L, args.requests_per_client, model=router)
+                    after = {m: admin.model_stats(url, m) for m in MODELS}
+                    row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L, **summarize(run)}
+                    row["model_stats"] = {m: {k: after[m][k] - before[m][k] for k in
+                                              ("steps", "decode_tokens", "extend_tokens", "extend_runs",
+                                               "handoffs_out", "step_time_s", "forward_s", "route_s", "send_s")}
+                                          for m in MODELS}
+                    if mode == "tokenrouter":
+                        row["B_star"] = bstar["B_star"]
+                        row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
+                    results["rows"].append(row)
+                    print(f"{pair:15s} {mode:12s} N={N:<3d} L={L:<4d} {row['throughput_tok_s']:8.1f} tok/s  "
+                          f"TTFT {row['ttft_p50_s']:.3f}s  ITL p50 {row['itl_p50_s'] * 1e3:.1f}ms  "
+                          f"llm {row['llm_share']:.2f}  handoffs/req {row['handoffs_per_request']:.1f}"
+                          + (f"  B*={row['B_star']}" if mode == 'tokenrouter' else "")
+                          + (f"  errors={row['errors']}" if row["errors"] else ""), flush=True)
+                    with open(os.path.join(out_dir, "results.json"), "w") as f:
+                        json.dump(results, f, indent=1)
+        for m in MODELS:
+            admin.configure(url, m, **RESET)
+
+
+def _fmt(x: float, unit: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return f"{x:.3g}{unit}"
+
+
+def markdown(results: Dict[str, Any]) -> str:
+    """The results table plus tokenrouter's ratios against each baseline."""
+    rows = results["rows"]
+    lines = [f"Settings: {results['settings']}", "",
+             "| pair | mode | N | max tokens | tok/s | TTFT p50 s | ITL p50 ms | ITL p99 ms | e2e p50 s | "
+             "LLM share | handoffs/req | B* |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['pair']} | {r['mode']} | {r['N']} | {r['max_tokens']} | {_fmt(r['throughput_tok_s'])} | "
+                     f"{_fmt(r['ttft_p50_s'])} | {_fmt(r['itl_p50_s'] * 1e3)} | {_fmt(r['itl_p99_s'] * 1e3)} | "
+                     f"{_fmt(r['e2e_p50_s'])} | {_fmt(r['llm_share'])} | {_fmt(r['handoffs_per_request'])} | "
+                     f"{r.get('B_star', '')} |")
+    base = {(r["pair"], r["N"], r["max_tokens"], r["mode"]): r["throughput_tok_s"] for r in rows}
+    present = [b for b in BASELINES if any(r["mode"] == b for r in rows)]
+    if any(r["mode"] == "tokenrouter" for r in rows) and present:
+        lines += ["", "Throughput ratio tokenrouter / baseline (same run):", "",
+                  "| pair | N | max tokens | " + " | ".join(present) + " |",
+                  "|---|---|---|" + "---|" * len(present)]
+        for r in rows:
+            if r["mode"] != "tokenrouter":
+                continue
+            k = (r["pair"], r["N"], r["max_tokens"])
+            cells = [_fmt(r["throughput_tok_s"] / base[(*k, b)]) + "×" if base.get((*k, b)) else "–"
+                     for b in present]
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plots(results: Dict[str, Any], out_dir: str) -> List[str]:
+    """Throughput against N per mode, and against output length; one PNG each per pair."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows, files = results["rows"], []
+    for pair in sorted({r["pair"] for r in rows}):
+        pr = [r for r in rows if r["pair"] == pair]
+        Ls = sorted({r["max_tokens"] for r in pr})
+        fig, axes = plt.subplots(1, len(Ls), figsize=(5 * len(Ls), 4), squeeze=False)
+        for ax, L in zip(axes[0], Ls):
+            for mode in [m for m in ALL_MODES if any(r["mode"] == m for r in pr)]:
+                pts = sorted((r["N"], r["throughput_tok_s"]) for r in pr if r["mode"] == mode and r["max_tokens"] == L)
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+            ax.set_title(f"{pair}: {L} output tokens")
+            ax.set_xlabel("concurrency N")
+            ax.set_ylabel("decode throughput (tokens/s)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+        f = os.path.join(out_dir, f"throughput_vs_N_{pair}.png")
+        fig.tight_layout()
+        fig.savefig(f, dpi=110)
+        plt.close(fig)
+        files.append(f)
+        Ns = sorted({r["N"] for r in pr})
+        fig, ax = plt.subplots(figsize=(5, 4))
+        Nmax = Ns[-1]
+        for mode in [m for m in ALL_MODES if any(r["mode"] == m for r in pr)]:
+            pts = sorted((r["max_tokens"], r["throughput_tok_s"]) for r in pr if r["mode"] == mode and r["N"] == Nmax)
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        ax.set_title(f"{pair}: N = {Nmax}")
+        ax.set_xlabel("max output tokens")
+        ax.set_ylabel("decode throughput (tokens/s)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        f = os.path.join(out_dir, f"throughput_vs_length_{pair}.png")
+        fig.tight_layout()
+        fig.savefig(f, dpi=110)
+        plt.close(fig)
+        files.append(f)
+    return files
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", default="demo,size-realistic")
+    ap.add_argument("--modes", default=",".join(ALL_MODES))
+    ap.add_argument("--concurrency", default="1,4,8,16")
+    ap.add_argument("--max-tokens", default=None, help="comma list (default 16,64; --full: 128,512)")
+    ap.add_argument("--requests-per-client", type=int, default=None)
+    ap.add_argument("--wait-factor", type=float, default=1.0,
+                    help="delayed-batching wait bound in SLM step times (default 1)")
+    ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
+    a = ap.parse_args(argv)
+    a.pairs = [p for p in a.pairs.split(",") if p]
+    a.modes = [m for m in a.modes.split(",") if m]
+    bad = set(a.modes) - set(ALL_MODES)
+    if bad:
+        ap.error(f"unknown modes {sorted(bad)}; known: {ALL_MODES}")
+    a.concurrency = [int(x) for x in a.concurrency.split(",")]
+    a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,64")).split(",")]
+    a.requests_per_client = a.requests_per_client or (3 if a.full else 1)
+    os.makedirs(a.out, exist_ok=True)
+    settings = {"pairs": a.pairs, "modes": a.modes, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+                "requests_per_client": a.requests_per_client, "full": a.full,
+                "note": "" if a.full else "scaled for a 2-core CPU: output lengths 16/64 stand for 128/512"}
+    results: Dict[str, Any] = {"settings": settings, "rows": []}
+    print(f"settings: {settings}")
+    t0 = time.time()
+    for pair in a.pairs:
+        run_pair(pair, a, results, a.out)
+    md = markdown(results)
+    with open(os.path.join(a.out, "results.md"), "w") as f:
+        f.write(md + "\n")
+    files = plots(results, a.out)
+    print("\n" + md)
+    print(f"\nwrote {a.out}/results.json, results.md, " + ", ".join(os.path.basename(f) for f in files)
+          + f" in {time.time() - t0:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

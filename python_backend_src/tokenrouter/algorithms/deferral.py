@@ -1,0 +1,100 @@
+"""Shared rule of CITER, R2R and Co-LLM: the SLM defers single tokens to the LLM.
+
+Model 0 (the SLM / Co-LLM's *base*) writes by default.  After each of its
+steps a learned router scores the step; when the score crosses the threshold
+the SLM's sampled token is **discarded** (``commit_on_handoff`` is False) and
+the request is handed to model 1 (the LLM / *assistant*), which regenerates
+that position from the full prefix, keeps its one token and hands the request
+straight back.  The three algorithms differ in the router and the direction of
+the comparison (subclasses: :class:`~.citer.CITER`, :class:`~.r2r.R2R`,
+:class:`~.colm.CoLLM`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from ..protocol import StepResult
+from .base import ParamSpec, RoutingAlgorithm
+from .learned import RouterFile, load_router
+
+__all__ = ["OneTokenDeferral", "router_spec"]
+
+
+def router_spec(default: str) -> ParamSpec:
+    """The ``router`` parameter: a router weights file (absolute, or under ``tokenrouter/routers/``)."""
+    return ParamSpec(str, default, doc="router weights file (absolute, or under tokenrouter/routers/)")
+
+
+class OneTokenDeferral(RoutingAlgorithm):
+    """Base class: learned router on model 0, one-token visits to model 1.
+
+    Subclasses set :attr:`router_kind`, put their threshold and
+    ``router_spec(<default file>)`` into :attr:`params_spec` and implement :meth:`score` and
+    :meth:`defer`.
+    """
+
+    router_kind: str = ""
+    min_models = 2
+    max_models = 2
+
+    def __init__(self, model_index: int, num_models: int, params: Dict[str, Any]):
+        super().__init__(model_index, num_models, params)
+        self.router: Optional[RouterFile] = None
+        self.engine = None
+
+    @classmethod
+    def validate_params(cls, params, num_models):
+        """Defaults/bounds (base class), then load the router file once to check it.
+
+        Raises:
+            ValueError: also for a missing router file or one of another kind.
+        """
+        out = super().validate_params(params, num_models)
+        load_router(out["router"], cls.router_kind)
+        return out
+
+    def attach(self, engine) -> None:
+        """Model 0: require hidden-state capture and a router that fits the model's hidden size."""
+        self.engine = engine
+        if self.model_index != 0:
+            return
+        if not getattr(engine.config, "capture_hidden", False):
+            raise ValueError(f"algorithm {self.name!r} needs the last hidden state of model 0: set the "
+                             f"config parameter capture_hidden to true on that model")
+        self.router = load_router(self.params["router"], self.router_kind)
+        hs = getattr(engine.model_config, "hidden_size", None)
+        if hs is not None and int(self.router.arch.get("hidden_size", hs)) != int(hs):
+            raise ValueError(f"router {self.router.path!r} was trained for hidden size "
+                             f"{self.router.arch.get('hidden_size')}, model 0 has {hs}")
+
+    # ---------------------------------------------------------------- rule
+    def score(self, result: StepResult) -> float:
+        """The router's probability for this SLM step (float in [0, 1])."""
+        raise NotImplementedError
+
+    def defer(self, score: float, result: StepResult) -> bool:
+        """Whether ``score`` crosses the threshold (hand the position to the LLM)."""
+        raise NotImplementedError
+
+    def route(self, result: StepResult) -> int:
+        """Model 0: 1 (hand over, token discarded) when the score crosses the threshold, else 0.
+        Model 1: always 1 -- back to model 0 after exactly one (kept) token."""
+        if self.model_index != 0:
+            self.last_score = None
+            return 1
+        if result.hidden is None:
+            raise ValueError(f"algorithm {self.name!r}: model 0 returned no hidden state")
+        s = self.score(result)
+        self.last_score = s
+        return 1 if self.defer(s, result) else 0
+
+    def commit_on_handoff(self, result: StepResult) -> bool:
+        """The SLM's token is discarded (the LLM writes that position); the LLM's token is kept."""
+        return self.model_index != 0
+
+    @staticmethod
+    def _hidden(result: StepResult) -> torch.Tensor:
+        return result.hidden.float().reshape(1, -1)

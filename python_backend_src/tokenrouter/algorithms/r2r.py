@@ -1,0 +1,60 @@
+"""R2R: small-large token routing by a learned "critical token" classifier.
+
+Rule (R2R, Fu et al. 2025, "R2R: Efficiently Navigating Divergent Reasoning
+Paths with Small-Large Model Token Routing"; as served in the TokenRouter
+paper): the SLM writes by default; after each SLM step a router MLP sees
+
+    x = [h (SLM last hidden state, [H]), e (embedding of the sampled token, [H]),
+         the top-100 next-token logits sorted descending ([100])]   float32 [2H + 100]
+
+and outputs the critical probability ``p = sigmoid(MLP(x))``.  When
+``p ≥ threshold`` the SLM's token is discarded and the LLM's token replaces it
+(the LLM runs from the same prefix); the LLM hands back after one token.
+
+R2R's published router is a 6-layer, 1024-wide MLP trained with BCE, its
+threshold picked for 0.95 recall on held-out data.  The router file stores
+that threshold; ``threshold`` overrides it (per request: ``routing_threshold``).
+
+Parameters: ``threshold`` (float in [0, 1]; default: the file's recall-0.95
+threshold), ``router`` (default ``r2r_smollm2-135m.pt``).
+Trace score: ``p`` on SLM steps, none on LLM steps.
+"""
+
+from __future__ import annotations
+
+from ..protocol import StepResult
+from .base import ParamSpec
+from .deferral import OneTokenDeferral, router_spec
+from .learned import embedding_matrix, r2r_features
+
+__all__ = ["R2R"]
+
+
+class R2R(OneTokenDeferral):
+    """R2R (see module docstring)."""
+
+    name = "r2r"
+    router_kind = "r2r"
+    params_spec = {"threshold": ParamSpec(float, None, 0.0, 1.0,
+                                          "critical-probability threshold: defer when p >= threshold "
+                                          "(default: the router file's recall-0.95 threshold)"),
+                   "router": router_spec("r2r_smollm2-135m.pt")}
+    threshold_param = "threshold"
+
+    def attach(self, engine) -> None:
+        super().attach(engine)
+        if self.model_index == 0:
+            self._emb = embedding_matrix(engine)
+            self._topk = int(self.router.arch["topk"])
+            self._thr = self.params["threshold"]
+            if self._thr is None:
+                if self.router.threshold is None:
+                    raise ValueError(f"router {self.router.path!r} stores no threshold; set 'threshold'")
+                self._thr = self.router.threshold
+
+    def score(self, result: StepResult) -> float:
+        x = r2r_features(result.hidden, self._emb[int(result.token_id)], result.logits, self._topk)
+        return float(self.router.prob(x)[0])
+
+    def defer(self, score: float, result: StepResult) -> bool:
+        return score >= self._thr

@@ -1,0 +1,303 @@
+"""Train the learned routers (CITER, R2R, Co-LLM) for an SLM/LLM pair on the CPU.
+
+    python -m tokenrouter.train_routers                      # the demo pair -> tokenrouter/routers/
+    python -m tokenrouter.train_routers --r2r-width 1024     # R2R's published 6×1024 router
+
+Data (R2R-style labelling, one forward pass per model, teacher-forced):
+
+1. For every prompt of ``--prompts`` (JSON lines ``{"prompt": …}``, chat
+   template applied) the **LLM** writes a greedy continuation of up to
+   ``--max-new-tokens`` tokens (the trajectory).
+2. The trajectory is run teacher-forced through the served SLM (features:
+   last hidden state after the final norm ``[H]``, next-token logits ``[V]``,
+   the SLM's greedy token) and through the *labelling SLM*.
+3. Label per position: ``diff = argmax(labelling SLM) != argmax(LLM)`` -- R2R's
+   "the SLM's token differs from the LLM's".  R2R: target ``diff``; Co-LLM
+   (its weak-supervision initialisation): defer target ``diff``; CITER:
+   confidence target ``1 − diff`` (the SLM's token is acceptable).
+
+The demo pair serves the **same** SmolLM2-135M weights in both roles, so the
+served SLM never differs from the LLM and every label would be 0.  For that
+case (``--label-slm auto`` with SLM == LLM) the labelling SLM is a
+**fake-quantised copy** of the SLM (``--bits``-bit symmetric round-to-nearest,
+groups of ``--group`` input channels, every decoder linear layer): the routers
+learn "positions where a weaker copy of this model would pick another token
+than the full model", a proxy for hard tokens computed from the served SLM's
+own features.  With a real pair (different checkpoints) the served SLM labels
+itself (``--label-slm served``).
+
+Training: Adam, BCE, 80/20 split by prompt, best epoch by validation loss.
+R2R uses a positive-class weight (rare critical tokens) and stores the
+threshold reaching ``--r2r-recall`` (0.95) recall on the validation split;
+CITER and Co-LLM are trained unweighted so their sigmoid outputs are
+probabilities that the fixed thresholds (τ = 0.98, η = 0.15) can be compared
+with.  Files are float16 (:mod:`tokenrouter.algorithms.learned`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Tuple
+
+from . import sglang_cpu_compat
+
+sglang_cpu_compat.install()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from .algorithms.learned import ROUTERS_DIR, build_router, save_router  # noqa: E402
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fake_quantize_(model: nn.Module, bits: int, group: int) -> int:
+    """Symmetric round-to-nearest fake quantisation of every decoder ``nn.Linear`` in place.
+
+    Each weight row is split into groups of ``group`` input channels with one
+    scale ``max|w| / (2^(bits-1) − 1)`` per group.  Returns the number of
+    layers quantised.
+    """
+    qmax = 2 ** (bits - 1) - 1
+    n = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and ".layers." in f".{name}":
+            w = mod.weight.data
+            out_f, in_f = w.shape
+            g = group if in_f % group == 0 else in_f
+            wg = w.reshape(out_f, in_f // g, g)
+            scale = wg.abs().amax(-1, keepdim=True).clamp_min(1e-8) / qmax
+            mod.weight.data = ((wg / scale).round().clamp(-qmax - 1, qmax) * scale).reshape(out_f, in_f)
+            n += 1
+    return n
+
+
+def load_prompts(path: str) -> List[str]:
+    """Prompts from a JSON-lines file (``{"prompt": str}`` per line)."""
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f, 1):
+            if line.strip():
+                d = json.loads(line)
+                if not isinstance(d, dict) or not isinstance(d.get("prompt"), str):
+                    raise ValueError(f"{path}:{i}: expected {{\"prompt\": str}}")
+                out.append(d["prompt"])
+    if len(out) < 5:
+        raise ValueError(f"{path}: need at least 5 prompts, got {len(out)}")
+    return out
+
+
+@torch.no_grad()
+def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: int = 16) -> Dict[str, torch.Tensor]:
+    """Run the labelling passes (module docstring), ``batch`` prompts at a time (left padding).
+
+    Returns:
+        dict of ``hidden`` float32 [N, H], ``emb`` float32 [N, H] (embedding of
+        the SLM's greedy token), ``top`` float32 [N, 100] (top-100 SLM logits),
+        ``diff`` float32 [N] (labels), ``prompt`` int64 [N] (prompt index).
+    """
+    emb_w = slm.get_input_embeddings().weight
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
+    H, E, T, D, P = [], [], [], [], []
+    encoded = []
+    for p in prompts:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        if not isinstance(ids, list):
+            ids = ids["input_ids"]
+        encoded.append([int(i) for i in ids])
+    for b0 in range(0, len(encoded), batch):
+        chunk = encoded[b0:b0 + batch]
+        L = max(len(c) for c in chunk)
+        ids = torch.tensor([[pad] * (L - len(c)) + c for c in chunk])
+        mask = torch.tensor([[0] * (L - len(c)) + [1] * len(c) for c in chunk])
+        seq = llm.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, pad_token_id=pad)
+        gen = seq[:, L:]
+        full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
+        pos_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
+        o_s = slm(seq, attention_mask=full_mask, position_ids=pos_ids, output_hidden_states=True)
+        lg_s_all = o_s.logits.float()
+        lg_l_all = lg_s_all if llm is slm else llm(seq, attention_mask=full_mask, position_ids=pos_ids).logits.float()
+        lg_q_all = lg_s_all if label_slm is slm else label_slm(
+            seq, attention_mask=full_mask, position_ids=pos_ids).logits.float()
+        for r in range(len(chunk)):
+            g = gen.shape[1]
+            for t, x in enumerate(gen[r].tolist()):  # up to and including the first stop token
+                if x in stops:
+                    g = t + 1
+                    break
+            pos = slice(L - 1, L - 1 + g)  # positions predicting the generated tokens
+            lg_s = lg_s_all[r, pos]
+            s_tok = lg_s.argmax(-1)
+            H.append(o_s.hidden_states[-1][r, pos].float())
+            E.append(emb_w[s_tok].float())
+            T.append(torch.topk(lg_s, 100, dim=-1).values)
+            D.append((lg_q_all[r, pos].argmax(-1) != lg_l_all[r, pos].argmax(-1)).float())
+            P.append(torch.full((g,), b0 + r, dtype=torch.int64))
+        print(f"  labelled {min(b0 + batch, len(encoded))}/{len(encoded)} prompts", flush=True)
+    return {"hidden": torch.cat(H), "emb": torch.cat(E), "top": torch.cat(T), "diff": torch.cat(D),
+            "prompt": torch.cat(P)}
+
+
+def auc(score: torch.Tensor, y: torch.Tensor) -> float:
+    """Area under the ROC curve (rank statistic); NaN if one class is missing."""
+    pos, neg = int(y.sum()), int((1 - y).sum())
+    if pos == 0 or neg == 0:
+        return float("nan")
+    r = torch.empty_like(score)
+    r[score.argsort()] = torch.arange(1, len(score) + 1, dtype=score.dtype)
+    return float((r[y > 0.5].sum() - pos * (pos + 1) / 2) / (pos * neg))
+
+
+def train(kind: str, arch: Dict[str, int], x: torch.Tensor, y: torch.Tensor, train_idx, val_idx, *,
+          epochs: int, lr: float, pos_weight: bool, seed: int) -> Tuple[nn.Module, Dict[str, float], torch.Tensor]:
+    """BCE training with Adam; returns the best-validation-loss module, its metrics and validation probabilities."""
+    torch.manual_seed(seed)
+    model = build_router(kind, arch)
+    xt, yt, xv, yv = x[train_idx], y[train_idx], x[val_idx], y[val_idx]
+    mean, std = xt.mean(0), xt.std(0).clamp_min(1e-4)
+    if kind == "colm":  # a pure linear head: standardise during training, fold it in at the end
+        xt, xv = (xt - mean) / std, (xv - mean) / std
+    else:
+        model.mean.copy_(mean)
+        model.std.copy_(std)
+    pw = None
+    if pos_weight and yt.sum() > 0:
+        pw = torch.tensor(float((1 - yt).sum() / yt.sum()))
+    lossf = nn.BCEWithLogitsLoss(pos_weight=pw)
+    opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-5)
+    best, best_state = float("inf"), None
+    for ep in range(epochs):
+        model.train()
+        perm = torch.randperm(len(xt))
+        for i in range(0, len(xt), 256):
+            b = perm[i:i + 256]
+            opt.zero_grad()
+            lossf(model(xt[b]), yt[b]).backward()
+            opt.step()
+        model.eval()
+        with torch.no_grad():
+            vl = float(lossf(model(xv), yv))
+        if vl < best:
+            best, best_state = vl, {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(best_state)
+    if kind == "colm":
+        with torch.no_grad():
+            w = model.lin.weight / std
+            model.lin.bias -= (model.lin.weight * mean / std).sum()
+            model.lin.weight.copy_(w)
+        xv = xv * std + mean
+    with torch.no_grad():
+        pv = torch.sigmoid(model(xv))
+    return model, {"val_loss": best, "val_auc": auc(pv, yv), "val_n": len(yv), "train_n": len(yt),
+                   "val_pos_rate": float(yv.mean())}, pv
+
+
+def main(argv=None) -> int:
+    wdir = os.environ.get("TOKENROUTER_WEIGHTS") or os.path.expanduser("~/.cache/tokenrouter/weights")
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.train_routers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--slm", default=os.path.join(wdir, "smollm2-135m-instruct"), help="served SLM checkpoint")
+    ap.add_argument("--llm", default=None, help="LLM checkpoint (default: the SLM's -- the demo pair)")
+    ap.add_argument("--label-slm", choices=("auto", "served", "fakequant"), default="auto",
+                    help="labelling SLM: auto = fakequant when SLM == LLM, else served")
+    ap.add_argument("--bits", type=int, default=4, help="fake-quantisation bits of the labelling SLM")
+    ap.add_argument("--group", type=int, default=64, help="fake-quantisation group size (input channels)")
+    ap.add_argument("--prompts", default=os.path.join(REPO_ROOT, "data", "router_prompts.jsonl"))
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--out", default=ROUTERS_DIR, help="output folder")
+    ap.add_argument("--name", default="smollm2-135m", help="file suffix: <kind>_<name>.pt")
+    ap.add_argument("--r2r-width", type=int, default=256, help="R2R MLP width (published: 1024)")
+    ap.add_argument("--r2r-depth", type=int, default=6, help="R2R MLP depth (published: 6)")
+    ap.add_argument("--r2r-recall", type=float, default=0.95, help="recall the stored R2R threshold reaches")
+    ap.add_argument("--citer-width", type=int, default=256)
+    ap.add_argument("--citer-depth", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.time()
+    llm_path = a.llm or a.slm
+    tok = AutoTokenizer.from_pretrained(a.slm)
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    slm = load(a.slm)
+    same = os.path.realpath(llm_path) == os.path.realpath(a.slm)
+    llm = slm if same else load(llm_path)
+    mode = a.label_slm if a.label_slm != "auto" else ("fakequant" if same else "served")
+    if mode == "fakequant":
+        label_slm = load(a.slm)
+        nq = fake_quantize_(label_slm, a.bits, a.group)
+        label_desc = f"fake-quantised copy of the SLM ({a.bits}-bit RTN, group {a.group}, {nq} linear layers)"
+    else:
+        label_slm = slm
+        label_desc = "the served SLM"
+    prompts = load_prompts(a.prompts)
+    data = collect(slm, llm, label_slm, tok, prompts, a.max_new_tokens)
+    t_data = time.time() - t0
+    n = len(data["diff"])
+    print(f"labelled {n} positions from {len(prompts)} prompts in {t_data:.0f}s; "
+          f"label SLM: {label_desc}; disagreement rate {float(data['diff'].mean()):.3f}", flush=True)
+    g = torch.Generator().manual_seed(a.seed)
+    order = torch.randperm(len(prompts), generator=g)
+    val_prompts = set(order[: max(1, len(prompts) // 5)].tolist())
+    is_val = torch.tensor([int(p) in val_prompts for p in data["prompt"]])
+    tr, va = (~is_val).nonzero().view(-1), is_val.nonzero().view(-1)
+    y = data["diff"]
+    H = data["hidden"].shape[1]
+    meta_common = {"slm": os.path.basename(a.slm.rstrip("/")), "llm": os.path.basename(llm_path.rstrip("/")),
+                   "label_slm": label_desc, "label": "argmax(label SLM) != argmax(LLM) on LLM greedy trajectories",
+                   "prompts": os.path.relpath(a.prompts, REPO_ROOT) if a.prompts.startswith(REPO_ROOT) else a.prompts,
+                   "max_new_tokens": a.max_new_tokens, "positions": n, "seed": a.seed,
+                   "command": "python -m tokenrouter.train_routers " + " ".join(argv if argv is not None
+                                                                                else sys.argv[1:])}
+    summary = {}
+
+    # R2R: [h, e, top-100] -> critical
+    arch = {"in_dim": 2 * H + 100, "width": a.r2r_width, "depth": a.r2r_depth, "hidden_size": H, "topk": 100}
+    x = torch.cat([data["hidden"], data["emb"], data["top"]], 1)
+    m, met, pv = train("r2r", arch, x, y, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=True, seed=a.seed)
+    pos_scores = pv[y[va] > 0.5].sort().values
+    k = int((1 - a.r2r_recall) * len(pos_scores))
+    thr = float(pos_scores[k]) if len(pos_scores) else 0.5
+    met.update({"threshold": thr, "recall_target": a.r2r_recall,
+                "val_recall": float((pos_scores >= thr).float().mean()) if len(pos_scores) else float("nan"),
+                "val_routed_rate": float((pv >= thr).float().mean())})
+    f = os.path.join(a.out, f"r2r_{a.name}.pt")
+    save_router(f, "r2r", arch, m, thr, {**meta_common, "target": "diff", "metrics": met})
+    summary["r2r"] = (f, met)
+
+    # CITER: h -> acceptable (1 - diff)
+    arch = {"in_dim": H, "width": a.citer_width, "depth": a.citer_depth, "hidden_size": H}
+    m, met, pv = train("citer", arch, data["hidden"], 1 - y, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=False,
+                       seed=a.seed)
+    met.update({f"val_routed_rate_tau_{t}": float((pv < t).float().mean()) for t in (0.98, 0.9, 0.8)})
+    f = os.path.join(a.out, f"citer_{a.name}.pt")
+    save_router(f, "citer", arch, m, None, {**meta_common, "target": "1 - diff", "metrics": met})
+    summary["citer"] = (f, met)
+
+    # Co-LLM: h -> defer (diff), linear head
+    arch = {"in_dim": H, "hidden_size": H}
+    m, met, pv = train("colm", arch, data["hidden"], y, tr, va, epochs=a.epochs, lr=3e-3, pos_weight=False,
+                       seed=a.seed)
+    met.update({f"val_routed_rate_eta_{t}": float((pv > t).float().mean()) for t in (0.15, 0.3, 0.5)})
+    f = os.path.join(a.out, f"colm_{a.name}.pt")
+    save_router(f, "colm", arch, m, None, {**meta_common, "target": "diff", "metrics": met})
+    summary["colm"] = (f, met)
+
+    for kind, (f, met) in summary.items():
+        print(f"{kind}: {f} ({os.path.getsize(f) / 1e6:.2f} MB) " +
+              ", ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in met.items()))
+    print(f"total {time.time() - t0:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
