@@ -22,8 +22,10 @@ __all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_varia
 PAIRS: Dict[str, Dict[str, Dict[str, str]]] = {
     # SmolLM2-135M-Instruct (real weights) in both roles
     "demo": {},
-    # real SLM + a larger Llama-shaped LLM with the same tokenizer and RANDOM weights
-    "size-realistic": {"llm": {"model_path": "llama-size-realistic", "load_format": "dummy"}},
+    # real SLM + a larger Llama-shaped LLM with the same tokenizer and RANDOM weights;
+    # random weights are never confident, so R-Stitch's hand-back is capped at one token
+    "size-realistic": {"llm": {"model_path": "llama-size-realistic", "load_format": "dummy"},
+                       "token_router": {"algorithm_params": '{"tau": 0.2, "max_llm_run": 1}'}},
 }
 
 
