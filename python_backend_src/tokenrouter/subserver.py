@@ -83,6 +83,7 @@ class LocalRequest:
         reserved_tokens: KV tokens reserved for the request's whole life.
         ready_since: time it became ready (for the delayed-batching bound).
         unflushed: committed tokens not yet streamed.
+        prefilled: its prompt has been run (later extends are resumes).
     """
 
     rid: str
@@ -94,6 +95,7 @@ class LocalRequest:
     reserved_tokens: int
     ready_since: float = 0.0
     unflushed: List[int] = field(default_factory=list)
+    prefilled: bool = False
 
 
 class Subserver:
@@ -188,6 +190,10 @@ class Subserver:
                 "forward_s": self.counters["forward_us"] / 1e6,
                 "route_s": self.counters["route_us"] / 1e6,
                 "send_s": self.counters["send_us"] / 1e6,
+                "decode_steps": self.counters["decode_steps"],
+                "decode_step_forward_s": self.counters["decode_step_forward_us"] / 1e6,
+                "resume_steps": self.counters["resume_steps"],
+                "resume_step_forward_s": self.counters["resume_step_forward_us"] / 1e6,
                 "delayed_batch_size": self.config.delayed_batch_size,
             }
         return self.call(snap)
@@ -401,6 +407,7 @@ class Subserver:
     def _step(self) -> None:
         batch = list(self.ready.values())[: self.config.max_batch]
         seqs = [lr.seq for lr in batch]
+        has_prefill = any(not lr.prefilled for lr in batch)
         t0 = time.perf_counter()
         try:
             out = self.engine.forward(seqs)
@@ -473,6 +480,12 @@ class Subserver:
         t_end = time.perf_counter()
         self.counters["step_time_us"] += int((t_end - t0) * 1e6)
         self.counters["forward_us"] += int((t_fwd - t0) * 1e6)
+        if not out.num_extend:  # pure decode steps
+            self.counters["decode_steps"] += 1
+            self.counters["decode_step_forward_us"] += int((t_fwd - t0) * 1e6)
+        elif not has_prefill:  # steps that resume requests (no new prompt)
+            self.counters["resume_steps"] += 1
+            self.counters["resume_step_forward_us"] += int((t_fwd - t0) * 1e6)
         self.counters["send_us"] += int(send_s * 1e6)
         self.counters["route_us"] += int((t_end - t_fwd - send_s) * 1e6)
         if self.event_sink is not None:
@@ -483,6 +496,8 @@ class Subserver:
             for rid, step, peer, c, score in handoff_events:
                 self.event_sink({"event": "handoff", "request_id": rid, "step": step, "from": self.name,
                                  "to": peer, "tokens_committed": c, "score": score, "t": now})
+        for lr in batch:
+            lr.prefilled = True
         # requests that stepped and stay go to the back of the queue; their
         # delayed-batching wait restarts at the end of this step
         now_pc = time.perf_counter()
