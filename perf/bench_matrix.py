@@ -198,48 +198,43 @@ def markdown(results: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plots(results: Dict[str, Any], out_dir: str) -> List[str]:
-    """Throughput against N per mode, and against output length; one PNG each per pair."""
+def _plot(path: str, title: str, xlabel: str, series: Dict[str, List[tuple]]) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, ax = plt.subplots(figsize=(5.5, 4))
+    for label, pts in series.items():
+        pts = sorted(pts)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("decode throughput (tokens/s)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plots(results: Dict[str, Any], out_dir: str) -> List[str]:
+    """Throughput against N per mode (one PNG per pair and length) and against output length."""
     rows, files = results["rows"], []
     for pair in sorted({r["pair"] for r in rows}):
         pr = [r for r in rows if r["pair"] == pair]
-        Ls = sorted({r["max_tokens"] for r in pr})
-        fig, axes = plt.subplots(1, len(Ls), figsize=(5 * len(Ls), 4), squeeze=False)
-        for ax, L in zip(axes[0], Ls):
-            for mode in [m for m in ALL_MODES if any(r["mode"] == m for r in pr)]:
-                pts = sorted((r["N"], r["throughput_tok_s"]) for r in pr if r["mode"] == mode and r["max_tokens"] == L)
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-            ax.set_title(f"{pair}: {L} output tokens")
-            ax.set_xlabel("concurrency N")
-            ax.set_ylabel("decode throughput (tokens/s)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=8)
-        f = os.path.join(out_dir, f"throughput_vs_N_{pair}.png")
-        fig.tight_layout()
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(f)
-        Ns = sorted({r["N"] for r in pr})
-        fig, ax = plt.subplots(figsize=(5, 4))
-        Nmax = Ns[-1]
-        for mode in [m for m in ALL_MODES if any(r["mode"] == m for r in pr)]:
-            pts = sorted((r["max_tokens"], r["throughput_tok_s"]) for r in pr if r["mode"] == mode and r["N"] == Nmax)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
-        ax.set_title(f"{pair}: N = {Nmax}")
-        ax.set_xlabel("max output tokens")
-        ax.set_ylabel("decode throughput (tokens/s)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-        f = os.path.join(out_dir, f"throughput_vs_length_{pair}.png")
-        fig.tight_layout()
-        fig.savefig(f, dpi=110)
-        plt.close(fig)
-        files.append(f)
+        modes = [m for m in ALL_MODES if any(r["mode"] == m for r in pr)]
+        for L in sorted({r["max_tokens"] for r in pr}):
+            files.append(_plot(os.path.join(out_dir, f"throughput_vs_N_{pair}_{L}tok.png"),
+                               f"{pair}: {L} output tokens", "concurrency N",
+                               {m: [(r["N"], r["throughput_tok_s"]) for r in pr
+                                    if r["mode"] == m and r["max_tokens"] == L] for m in modes}))
+        Nmax = max(r["N"] for r in pr)
+        files.append(_plot(os.path.join(out_dir, f"throughput_vs_length_{pair}.png"), f"{pair}: N = {Nmax}",
+                           "max output tokens",
+                           {m: [(r["max_tokens"], r["throughput_tok_s"]) for r in pr
+                                if r["mode"] == m and r["N"] == Nmax] for m in modes}))
     return files
 
 

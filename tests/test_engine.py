@@ -47,9 +47,9 @@ def test_suspend_resume_matches_uninterrupted(engine):
         out = engine.forward([b])
         b.tokens.append(int(out.logits[0].argmax()))
     assert engine.kv_tokens_in_use() == held + 3
-    # resume a with one new token (decode-like) ...
+    # resume a with one new token; b decodes in the same (single, extend) forward ...
     out = engine.forward([a, b])
-    assert out.num_extend == 1 and out.extend_tokens == 1
+    assert out.num_extend == 2 and out.extend_tokens == 2
     assert torch.allclose(out.logits[0], ref_logits[4], atol=1e-3)
     a.tokens.append(int(out.logits[0].argmax()))
     b.tokens.append(int(out.logits[1].argmax()))

@@ -61,6 +61,9 @@ class EngineConfig:
             ``torch_native`` on the CPU and SGLang's default on GPUs.
         capture_hidden: also return the last hidden state of every step
             (needed by learned routers).
+        one_forward_per_step: when a step has both sequences to extend (new or
+            resumed) and sequences to decode, run them all as one extend batch
+            instead of two forwards.
     """
 
     model_path: str
@@ -73,6 +76,7 @@ class EngineConfig:
     random_seed: int = 0
     attention_backend: Optional[str] = None
     capture_hidden: bool = False
+    one_forward_per_step: bool = True
 
 
 @dataclass
@@ -340,6 +344,10 @@ class SGLangEngine:
             if n <= 0:
                 raise ValueError(f"sequence {s.rid!r} has no new token to run")
             (decode if (s._in_running and n == 1) else extend).append(s)
+        if extend and decode and self.config.one_forward_per_step:
+            # one extend forward for everybody beats an extend forward plus a decode
+            # forward (measured on the CPU: 118 ms vs ~130 ms at batch 4, 1 new token each)
+            extend, decode = list(seqs), []
         # drop everything not decoding now from the running batch (-> pending)
         decode_set = {id(s) for s in decode}
         self._detach([s for s in self._running_seqs if id(s) in decode_set])
