@@ -1,0 +1,157 @@
+"""Command line: ``python -m scheduler_model {solve,profile,simulate} …``.
+
+* ``solve --profile PROFILE.json [--json] [--write-config MODEL_REPOSITORY] [--method auto|exact|crn-racing]
+  [--max-states N] [--time-budget-s S] [--seed S] [--quantum-s Q]``
+  B* search; ``--json`` prints ``{"B_star", "throughput_tokens_per_s", "method", "states", "table", …}``,
+  otherwise a readable table. ``--write-config`` writes B* into each model's config.pbtxt
+  (:mod:`scheduler_model.config_writer`).
+* ``profile --events EVENTS.jsonl --models slm,llm --concurrency N [-o PROFILE.json]`` converts a
+  routing event log to a profile (:mod:`scheduler_model.profile`).
+* ``simulate --profile PROFILE.json --thresholds slm=1,llm=2 [--events E] [--json]`` runs the
+  discrete-event simulator (:mod:`scheduler_model.simulate`).
+
+Exit status: 0 on success, 2 on a usage, profile, feasibility or config error (message on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional
+
+from .errors import SchedulerModelError
+
+
+def _parse_thresholds(text: str) -> dict:
+    out = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise argparse.ArgumentTypeError(f"threshold {part!r} is not MODEL=B")
+        k, v = part.split("=", 1)
+        try:
+            out[k.strip()] = int(v)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"threshold {part!r}: B must be an integer") from None
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse parser of the CLI."""
+    ap = argparse.ArgumentParser(prog="python -m scheduler_model",
+                                 description="TokenRouter delayed-batching model: DTMC, B* search, simulator.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    s = sub.add_parser("solve", help="find B* for a profile")
+    s.add_argument("--profile", required=True, help="PROFILE.json")
+    s.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    s.add_argument("--write-config", metavar="MODEL_REPOSITORY", help="write B* into <repo>/<model>/config.pbtxt")
+    s.add_argument("--method", default="auto", choices=["auto", "exact", "crn-racing"])
+    s.add_argument("--max-states", type=int, default=500_000, help="per-chain state limit of the exact method")
+    s.add_argument("--time-budget-s", type=float, default=20.0, help="auto: exact only if it fits this budget")
+    s.add_argument("--seed", type=int, default=0, help="seed of crn-racing")
+    s.add_argument("--quantum-s", type=float, default=None, help="override the profile's quantum_s (s)")
+
+    p = sub.add_parser("profile", help="convert a routing event log to PROFILE.json")
+    p.add_argument("--events", required=True, help="EVENTS.jsonl")
+    p.add_argument("--models", required=True, help="comma-separated model names, e.g. slm,llm")
+    p.add_argument("--concurrency", required=True, type=int, help="N")
+    p.add_argument("--quantum-s", type=float, default=1e-4, help="DTMC quantum δ in seconds")
+    p.add_argument("--fixed-thresholds", type=_parse_thresholds, default=None, help="e.g. slm=1")
+    p.add_argument("-o", "--output", help="write here instead of stdout")
+
+    m = sub.add_parser("simulate", help="discrete-event simulation for given thresholds")
+    m.add_argument("--profile", required=True)
+    m.add_argument("--thresholds", required=True, type=_parse_thresholds, help="e.g. slm=1,llm=2")
+    m.add_argument("--events", type=int, default=100_000, help="completion events to simulate")
+    m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--json", action="store_true")
+    return ap
+
+
+def _fmt_B(B: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in B.items())
+
+
+def cmd_solve(args: argparse.Namespace) -> int:
+    from . import config_writer
+    from .profile import load_profile
+    from .search import find_B_star
+    from .system import System
+
+    prof = load_profile(args.profile)
+    if args.quantum_s is not None:
+        prof["quantum_s"] = args.quantum_s
+    system = System.from_profile(prof)
+    res = find_B_star(system, method=args.method, max_states=args.max_states,
+                      time_budget_s=args.time_budget_s, seed=args.seed)
+    out = res.to_json()
+    if args.write_config:
+        wait = config_writer.max_wait_us(system, res.B_star, res.throughput_tokens_per_s)
+        msgs = config_writer.write_configs(args.write_config, res.B_star, wait)
+        out["max_queue_delay_us"] = wait
+        out["config_changes"] = msgs
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"profile: {args.profile}  models: {', '.join(system.models)}  N = {system.N}")
+    print(f"method: {res.method}  ({res.seconds:.2f} s)")
+    for n in res.notes:
+        print(f"note: {n}")
+    extra = "states" if res.method == "exact-dtmc" else "events"
+    print()
+    print(f"| B | throughput (tokens/s) | {extra} |")
+    print("|---|---:|---:|")
+    for row in res.table:
+        mark = " **B***" if row["B"] == res.B_star else ""
+        print(f"| {_fmt_B(row['B'])}{mark} | {row['throughput_tokens_per_s']:.2f} | {row.get(extra, '')} |")
+    print()
+    se = f" ± {res.throughput_stderr_tokens_per_s:.2f}" if res.throughput_stderr_tokens_per_s else ""
+    print(f"B* = {_fmt_B(res.B_star)}   T(B*) = {res.throughput_tokens_per_s:.2f}{se} tokens/s"
+          + (f"   states = {res.states}" if res.states else ""))
+    for msg in out.get("config_changes", []):
+        print(f"config: {msg}")
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from .profile import profile_from_events, read_events
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    prof = profile_from_events(read_events(args.events), models, args.concurrency, quantum_s=args.quantum_s,
+                               fixed_thresholds=args.fixed_thresholds)
+    text = json.dumps(prof, indent=2)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .profile import load_profile
+    from .simulate import simulate
+    from .system import System
+
+    system = System.from_profile(load_profile(args.profile))
+    res = simulate(system, args.thresholds, events=args.events, seed=args.seed)
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+    else:
+        print(f"B = {_fmt_B(system.thresholds_dict(system.thresholds_vector(args.thresholds)))}: "
+              f"T = {res.throughput_tokens_per_s:.2f} ± {res.stderr_tokens_per_s:.2f} tokens/s "
+              f"({res.events} events, {res.simulated_s:.1f} simulated s)")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return {"solve": cmd_solve, "profile": cmd_profile, "simulate": cmd_simulate}[args.cmd](args)
+    except SchedulerModelError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

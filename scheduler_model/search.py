@@ -1,0 +1,191 @@
+"""B* search: maximise T(B) over the feasible thresholds (paper, "DTMC for B*").
+
+B* = argmax_{B feasible} T(B),  feasible ⇔ 1 ≤ B_i ≤ max_batch_i and Σ_i (B_i − 1) < N,
+with any thresholds in ``system.fixed_thresholds`` held fixed (the paper fixes the SLM's at 1).
+
+Methods:
+
+* ``"exact-dtmc"`` — T(B) from the exact chain (:mod:`scheduler_model.dtmc`) for every feasible B.
+* ``"crn-racing"`` — simulation-based search with common random numbers
+  (:func:`scheduler_model.approx.crn_race`), for N where the exact chains are too big or too many.
+* ``"auto"`` (default) — exact if every chain stays within ``max_states`` and the estimated total
+  time (first chain's time × number of feasible B) is within ``time_budget_s``; else crn-racing.
+
+Ties (|ΔT| ≤ 1e-9 relative) go to the earlier B in lexicographic order, i.e. the smaller
+thresholds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import numpy as np
+
+from . import dtmc
+from .errors import InfeasibleThresholdsError, StateSpaceTooLargeError
+from .system import System
+
+
+@dataclasses.dataclass
+class SearchResult:
+    """Outcome of a B* search.
+
+    Attributes:
+        B_star: {model: B*_i}.
+        throughput_tokens_per_s: T(B*) in tokens/s (exact, or simulated estimate for crn-racing).
+        method: "exact-dtmc" or "crn-racing".
+        states: reachable states of the chain at B* (exact), else 0.
+        table: [{"B": {model: B_i}, "throughput_tokens_per_s": T, ...}] for every B evaluated, in
+            lexicographic order of B; exact entries add "states", racing entries "events".
+        seconds: wall time of the search.
+        max_states: largest chain built (exact), else 0.
+        notes: human-readable remarks (method switch, periodic chains, discretisation error).
+        throughput_stderr_tokens_per_s: standard error of T(B*) (0 for the exact method).
+    """
+
+    B_star: Dict[str, int]
+    throughput_tokens_per_s: float
+    method: str
+    states: int
+    table: List[Dict[str, Any]]
+    seconds: float
+    max_states: int = 0
+    notes: List[str] = dataclasses.field(default_factory=list)
+    throughput_stderr_tokens_per_s: float = 0.0
+
+    def to_json(self) -> Dict[str, Any]:
+        """The CLI's ``--json`` object: B_star, throughput_tokens_per_s, method, states, table, …"""
+        return {
+            "B_star": self.B_star,
+            "throughput_tokens_per_s": self.throughput_tokens_per_s,
+            "method": self.method,
+            "states": self.states,
+            "table": self.table,
+            "seconds": self.seconds,
+            "max_states": self.max_states,
+            "notes": self.notes,
+            "throughput_stderr_tokens_per_s": self.throughput_stderr_tokens_per_s,
+        }
+
+
+def feasible_thresholds(system: System, fixed: Optional[Dict[str, int]] = None) -> Iterator[np.ndarray]:
+    """Yield every feasible B as an (M,) int64 array, lexicographically.
+
+    Args:
+        system: the modelled system.
+        fixed: {model: B_i} held fixed (default ``system.fixed_thresholds``).
+    Raises:
+        InfeasibleThresholdsError: the fixed thresholds alone are infeasible.
+    """
+    fixed = dict(system.fixed_thresholds if fixed is None else fixed)
+    M, N = system.M, system.N
+    cap = system.max_batch
+    fixed_idx = {system.index(k): int(v) for k, v in fixed.items()}
+    for i, v in fixed_idx.items():
+        if v < 1 or v > cap[i]:
+            raise InfeasibleThresholdsError(f"fixed threshold {system.models[i]}={v} outside 1..{cap[i]}")
+    base = sum(v - 1 for v in fixed_idx.values())
+    if base >= N:
+        raise InfeasibleThresholdsError(f"fixed thresholds {fixed} alone give sum(B_i - 1) = {base} >= N = {N}")
+    B = np.ones(M, dtype=np.int64)
+    for i, v in fixed_idx.items():
+        B[i] = v
+    free = [i for i in range(M) if i not in fixed_idx]
+
+    def rec(pos: int, slack: int) -> Iterator[np.ndarray]:
+        if pos == len(free):
+            yield B.copy()
+            return
+        i = free[pos]
+        for v in range(1, min(cap[i], slack + 1) + 1):
+            B[i] = v
+            yield from rec(pos + 1, slack - (v - 1))
+        B[i] = 1
+
+    yield from rec(0, N - 1 - base)
+
+
+def _argmax(values: List[float]) -> int:
+    best = 0
+    for j, v in enumerate(values):
+        if v > values[best] * (1 + 1e-9) + 1e-12:
+            best = j
+    return best
+
+
+def search_exact(system: System, *, max_states: int = dtmc.DEFAULT_MAX_STATES,
+                 on_periodic: str = "ignore", candidates: Optional[List[np.ndarray]] = None) -> SearchResult:
+    """B* by evaluating the exact T(B) for every feasible B.
+
+    Raises:
+        StateSpaceTooLargeError, ReducibleChainError, PeriodicChainError (``on_periodic='error'``).
+    """
+    t0 = time.perf_counter()
+    cands = list(feasible_thresholds(system)) if candidates is None else candidates
+    table, values, states = [], [], []
+    periodic = []
+    disc = 0.0
+    for B in cands:
+        r = dtmc.throughput(system, B, max_states=max_states, on_periodic=on_periodic)
+        values.append(r.throughput_tokens_per_s)
+        states.append(r.states)
+        disc = max(disc, r.discretisation_error)
+        if r.period > 1:
+            periodic.append((r.B, r.period))
+        table.append({"B": r.B, "throughput_tokens_per_s": r.throughput_tokens_per_s, "states": r.states,
+                      "period": r.period})
+    j = _argmax(values)
+    notes = [f"latency discretisation error {disc:.2e} (relative, quantum {system.quantum_s:g} s)"]
+    if periodic:
+        notes.append(f"{len(periodic)} of {len(cands)} chains are periodic (T is their exact long-run average), "
+                     f"e.g. B={periodic[0][0]} period {periodic[0][1]}")
+    return SearchResult(B_star=system.thresholds_dict(cands[j]), throughput_tokens_per_s=values[j],
+                        method="exact-dtmc", states=states[j], table=table,
+                        seconds=time.perf_counter() - t0, max_states=max(states), notes=notes)
+
+
+def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_000,
+                time_budget_s: float = 20.0, seed: int = 0, **race_kwargs: Any) -> SearchResult:
+    """Find B* = argmax over feasible B of T(B).
+
+    Args:
+        system: the modelled system (its ``fixed_thresholds`` are held fixed).
+        method: "auto", "exact" or "crn-racing" (module docstring).
+        max_states: per-chain state limit for the exact method.
+        time_budget_s: auto only — exact is used if (first chain's time × #candidates) fits.
+        seed: random seed of crn-racing.
+        race_kwargs: passed to :func:`scheduler_model.approx.crn_race`.
+    Returns:
+        :class:`SearchResult`.
+    Raises:
+        ValueError: unknown method; the errors of :func:`search_exact` when method="exact".
+    """
+    from . import approx
+
+    if method not in ("auto", "exact", "exact-dtmc", "crn-racing", "racing"):
+        raise ValueError(f"unknown method {method!r} (auto, exact, crn-racing)")
+    cands = list(feasible_thresholds(system))
+    if method in ("exact", "exact-dtmc"):
+        return search_exact(system, max_states=max_states, candidates=cands)
+    notes = []
+    if method == "auto":
+        t0 = time.perf_counter()
+        try:
+            first = dtmc.throughput(system, cands[0], max_states=max_states, on_periodic="ignore")
+            est = (time.perf_counter() - t0) * len(cands)
+            if est <= time_budget_s:
+                try:
+                    return search_exact(system, max_states=max_states, candidates=cands)
+                except StateSpaceTooLargeError as exc:
+                    notes.append(f"exact chain too large ({exc}); switched to crn-racing")
+            else:
+                notes.append(f"exact search estimated at {est:.0f} s for {len(cands)} candidates "
+                             f"({first.states} states at B={first.B}) > budget {time_budget_s:g} s; "
+                             "switched to crn-racing")
+        except StateSpaceTooLargeError as exc:
+            notes.append(f"exact chain too large ({exc}); switched to crn-racing")
+    res = approx.crn_race(system, candidates=cands, seed=seed, **race_kwargs)
+    res.notes = notes + res.notes
+    return res

@@ -1,0 +1,107 @@
+"""B* search over the feasible set: enumeration, exact search, CRN racing against the exact chain."""
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import pytest
+
+from scheduler_model import approx, dtmc, search
+from scheduler_model.errors import InfeasibleThresholdsError
+from scheduler_model.system import System
+
+
+def two(N=4, **kw):
+    base = dict(models=("slm", "llm"), concurrency=N, latency=[{1: 0.006}, {1: 0.027, 2: 0.028}],
+                P=[[0.65, 0.35], [1.0, 0.0]], C=[[1, 0], [1, 0]])
+    base.update(kw)
+    return System(**base)
+
+
+def three(N=4, **kw):
+    base = dict(models=("a", "b", "c"), concurrency=N, latency=[{1: 0.004}, {1: 0.012, 8: 0.016}, {1: 0.008}],
+                P=[[0.6, 0.3, 0.1], [0.5, 0.5, 0.0], [0.2, 0.2, 0.6]], C=np.ones((3, 3)), quantum_s=1e-3)
+    base.update(kw)
+    return System(**base)
+
+
+@pytest.mark.parametrize("N", [1, 2, 5, 9])
+def test_feasible_set_sizes(N):
+    # number of x >= 0 with sum(x) <= N - 1 over M coordinates: C(N - 1 + M, M)
+    Bs2 = list(search.feasible_thresholds(two(N)))
+    assert len(Bs2) == math.comb(N + 1, 2)
+    Bs3 = list(search.feasible_thresholds(three(N)))
+    assert len(Bs3) == math.comb(N + 2, 3)
+    for B in Bs3:
+        assert np.sum(B - 1) < N and B.min() >= 1
+    fixed = list(search.feasible_thresholds(two(N, fixed_thresholds={"slm": 1})))
+    assert [int(B[1]) for B in fixed] == list(range(1, N + 1))
+
+
+def test_fixed_thresholds_infeasible():
+    with pytest.raises(InfeasibleThresholdsError):
+        list(search.feasible_thresholds(two(3, fixed_thresholds={"slm": 4})))
+
+
+def test_exact_search_is_argmax_and_respects_fixed():
+    s = two(5, fixed_thresholds={"slm": 1})
+    res = search.find_B_star(s, method="exact")
+    assert res.method == "exact-dtmc"
+    assert all(row["B"]["slm"] == 1 for row in res.table)
+    values = {row["B"]["llm"]: row["throughput_tokens_per_s"] for row in res.table}
+    assert len(values) == 5
+    assert res.throughput_tokens_per_s == max(values.values())
+    assert values[res.B_star["llm"]] == res.throughput_tokens_per_s
+    assert res.states == dtmc.throughput(s, res.B_star).states
+
+
+def test_auto_uses_exact_for_small_N():
+    res = search.find_B_star(three(3), method="auto")
+    assert res.method == "exact-dtmc"
+    assert len(res.table) == math.comb(5, 3)
+
+
+def test_auto_switches_to_racing_when_chain_too_large():
+    res = search.find_B_star(two(12, fixed_thresholds={"slm": 1}), method="auto", max_states=20)
+    assert res.method == "crn-racing"
+    assert any("switched" in n for n in res.notes)
+
+
+def test_crn_identical_candidates_identical_estimates():
+    # common random numbers: the same B simulated twice sees exactly the same routing
+    s = three(6)
+    sim = approx.CRNSimulator(s, np.array([[1, 2, 2], [1, 2, 2], [2, 1, 1]]), seed=5)
+    sim.run(300)
+    sim.mark()
+    sim.run(2000)
+    T = sim.throughput()
+    assert T[0] == T[1]
+    assert T[0] != T[2]
+
+
+@pytest.mark.parametrize("system", [two(6, P=[[0.8, 0.2], [0.3, 0.7]], C=[[1, 1], [1, 0]]), three(5)],
+                         ids=["M2-N6", "M3-N5"])
+def test_crn_simulator_matches_exact(system):
+    Bs = list(search.feasible_thresholds(system))[:6]
+    sim = approx.CRNSimulator(system, np.array(Bs), seed=0)
+    sim.run(500)
+    sim.mark()
+    sim.run(25_000)
+    T = sim.throughput()
+    for B, t in zip(Bs, T):
+        exact = dtmc.throughput(system, B, on_periodic="ignore").throughput_tokens_per_s
+        assert abs(t - exact) / exact < 0.02
+
+
+@pytest.mark.parametrize("system", [two(8, P=[[0.8, 0.2], [0.3, 0.7]], C=[[1, 1], [1, 0]]), three(6)],
+                         ids=["M2-N8", "M3-N6"])
+def test_racing_finds_near_optimal_B(system):
+    ex = search.find_B_star(system, method="exact")
+    race = search.find_B_star(system, method="crn-racing", seed=0)
+    T_race_exact = dtmc.throughput(system, race.B_star, on_periodic="ignore").throughput_tokens_per_s
+    loss = 1 - T_race_exact / ex.throughput_tokens_per_s
+    assert 0 <= loss < 0.01 + 1e-12
+    assert len(race.table) == len(ex.table)
