@@ -13,6 +13,9 @@ std-serving     a returning request is re-admitted and re-prefilled (no pending 
 lock-step       models step in turn, one global step at a time (official style)
 llm-only        no routing: the LLM writes every token (router algorithm "none")
 slm-only        no routing: the SLM writes every token
+no-triton       tokenrouter's engines, decode loops, router logic and B*, in worker
+                processes driven over queues without Triton (SGLang keeps one model
+                per process): the limit the Triton path is measured against
 ==============  =============================================================
 
 Per cell (mode × concurrency N × max output tokens) it prints decode tokens/s,
@@ -36,7 +39,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Any, Dict, List
 
@@ -52,8 +54,8 @@ from tokenrouter.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer  # noqa: E402
 
 MODELS = ["slm", "llm"]
-ALL_MODES = ["tokenrouter", "eager-async", "std-serving", "lock-step", "llm-only", "slm-only"]
-BASELINES = ["eager-async", "std-serving", "lock-step", "llm-only", "slm-only"]
+ALL_MODES = ["tokenrouter", "eager-async", "std-serving", "lock-step", "llm-only", "slm-only", "no-triton"]
+BASELINES = ["eager-async", "std-serving", "lock-step", "llm-only", "slm-only", "no-triton"]
 RESET = {"delayed_batch_size": 1, "delayed_batch_max_wait_us": 0, "readmit_on_resume": False,
          "lockstep_group": ""}
 
@@ -88,7 +90,9 @@ def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -
     profile["fixed_thresholds"] = {"slm": 1}
     with open(prof, "w") as f:
         json.dump(profile, f)
-    out = subprocess.run([py, "-m", "scheduler_model", "solve", "--profile", prof, "--json"], check=True,
+    # a 5 ms quantum keeps the exact chain small for CPU step times of 50-300 ms
+    out = subprocess.run([py, "-m", "scheduler_model", "solve", "--profile", prof, "--json", "--quantum-s", "0.005"],
+                         check=True,
                          cwd=ROOT, capture_output=True, text=True)
     res = json.loads(out.stdout)
     res["profile"] = profile
@@ -116,7 +120,7 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
         for L in args.max_tokens:
             for N in args.concurrency:
                 bstar = None
-                for mode in args.modes:
+                for mode in [m for m in args.modes if m != "no-triton"]:
                     for m in MODELS:
                         admin.configure(url, m, **RESET)
                     router = "token_router"
@@ -151,6 +155,7 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                                           for m in MODELS}
                     if mode == "tokenrouter":
                         row["B_star"] = bstar["B_star"]
+                        row["wait_us"] = wait_us
                         row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
                     results["rows"].append(row)
                     print(f"{pair:15s} {mode:12s} N={N:<3d} L={L:<4d} {row['throughput_tok_s']:8.1f} tok/s  "
@@ -162,6 +167,45 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                         json.dump(results, f, indent=1)
         for m in MODELS:
             admin.configure(url, m, **RESET)
+    if "no-triton" in args.modes:
+        run_no_triton(pair, repo, args, results, out_dir, prompts)
+
+
+def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: str, prompts: List[str]) -> None:
+    """The no-Triton baseline: same configs (read from the variant repository), same B* per cell."""
+    from tokenrouter.direct import DirectCluster, DirectRouter
+    from tokenrouter.repository import read_config
+    from tokenrouter.triton_common import llm_settings, resolve_model_path
+
+    def params(model):
+        return {k: v.string_value for k, v in read_config(os.path.join(repo, model, "config.pbtxt")).parameters.items()}
+
+    print(f"== pair {pair}: no-triton baseline (worker processes, no Triton)", flush=True)
+    cluster = DirectCluster({m: llm_settings(params(m)) for m in MODELS})
+    try:
+        rp = params("token_router")
+        router = DirectRouter(cluster, MODELS, resolve_model_path(rp.get("tokenizer_path", "smollm2-135m-instruct")),
+                              rp.get("algorithm", "rstitch"), json.loads(rp.get("algorithm_params") or "{}"))
+        gen = lambda p, sp, cb: router.generate(p, sp, on_text=cb)  # noqa: E731
+        run_load(gen, prompts, 2, 8)  # warm-up
+        for L in args.max_tokens:
+            for N in args.concurrency:
+                tr = [r for r in results["rows"] if r["pair"] == pair and r["mode"] == "tokenrouter"
+                      and r["N"] == N and r["max_tokens"] == L]
+                B = tr[0]["B_star"] if tr else {m: 1 for m in MODELS}
+                wait = tr[0].get("wait_us", 0) if tr else 0
+                for m in MODELS:
+                    cluster.configure(m, delayed_batch_size=int(B[m]), max_wait_s=(wait if B[m] > 1 else 0) / 1e6)
+                row = {"pair": pair, "mode": "no-triton", "N": N, "max_tokens": L,
+                       **summarize(run_load(gen, prompts, N, L, args.requests_per_client)), "B_star": B}
+                results["rows"].append(row)
+                print(f"{pair:15s} {'no-triton':12s} N={N:<3d} L={L:<4d} {row['throughput_tok_s']:8.1f} tok/s  "
+                      f"TTFT {row['ttft_p50_s']:.3f}s  ITL p50 {row['itl_p50_s'] * 1e3:.1f}ms  "
+                      f"llm {row['llm_share']:.2f}", flush=True)
+                with open(os.path.join(out_dir, "results.json"), "w") as f:
+                    json.dump(results, f, indent=1)
+    finally:
+        cluster.close()
 
 
 def _fmt(x: float, unit: str = "") -> str:

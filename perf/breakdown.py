@@ -103,7 +103,7 @@ def main(argv=None) -> int:
              "| component | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]
     for label, k in labels:
         lines.append(f"| {label} | " + " | ".join(f"{rows[m][k]:.2f}" for m in modes) + " |")
-    lines.append(f"| handoffs measured | " + " | ".join(str(rows[m]["handoffs"]) for m in modes) + " |")
+    lines.append("| handoffs measured | " + " | ".join(str(rows[m]["handoffs"]) for m in modes) + " |")
     md = "\n".join(lines)
     with open(os.path.join(a.out, "breakdown.json"), "w") as f:
         json.dump(rows, f, indent=1)

@@ -11,12 +11,12 @@ import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Sequence
+from dataclasses import asdict, dataclass
+from typing import Callable, Dict, List, Sequence
 
 from tokenrouter.cli import stream_generate
 
-__all__ = ["RequestRecord", "run_load", "summarize", "percentile"]
+__all__ = ["RequestRecord", "run_load", "summarize", "percentile", "triton_client"]
 
 
 @dataclass
@@ -42,12 +42,19 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def _one(url: str, model: str, prompt: str, max_tokens: int) -> RequestRecord:
+def triton_client(url: str, model: str = "token_router") -> Callable:
+    """A generate function streaming from a Triton router model over gRPC."""
+    def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None]) -> Dict:
+        return stream_generate(url, prompt, sampling, chat=True, model=model, on_text=on_text)
+    return gen
+
+
+def _one(gen: Callable, prompt: str, max_tokens: int) -> RequestRecord:
     stamps: List[float] = []
     t0 = time.perf_counter()
     try:
-        out = stream_generate(url, prompt, {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-                              chat=True, model=model, on_text=lambda s: stamps.append(time.perf_counter()))
+        out = gen(prompt, {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
+                  lambda s: stamps.append(time.perf_counter()))
     except Exception as e:  # noqa: BLE001
         return RequestRecord(float("nan"), [], time.perf_counter() - t0, 0, {}, 0, error=str(e))
     t1 = time.perf_counter()
@@ -62,13 +69,19 @@ def _one(url: str, model: str, prompt: str, max_tokens: int) -> RequestRecord:
     )
 
 
-def run_load(url: str, prompts: Sequence[str], concurrency: int, max_tokens: int,
+def run_load(target, prompts: Sequence[str], concurrency: int, max_tokens: int,
              requests_per_client: int = 1, model: str = "token_router") -> Dict:
     """Run ``concurrency`` clients, ``requests_per_client`` requests each.
+
+    Args:
+        target: a Triton gRPC URL (then ``model`` is the router model to call) or a
+            generate function ``gen(prompt, sampling, on_text) -> dict`` (e.g.
+            ``DirectRouter.generate`` for the no-Triton baseline).
 
     Returns:
         dict with ``records`` (list of RequestRecord dicts) and ``wall_s``.
     """
+    gen = triton_client(target, model) if isinstance(target, str) else target
     counter = iter(range(10**9))
     lock = threading.Lock()
 
@@ -77,7 +90,7 @@ def run_load(url: str, prompts: Sequence[str], concurrency: int, max_tokens: int
         for _r in range(requests_per_client):
             with lock:
                 i = next(counter)
-            recs.append(_one(url, model, prompts[i % len(prompts)], max_tokens))
+            recs.append(_one(gen, prompts[i % len(prompts)], max_tokens))
         return recs
 
     t0 = time.perf_counter()

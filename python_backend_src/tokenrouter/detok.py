@@ -9,7 +9,7 @@ cannot (the output is cut before the first stop string, as in vLLM).
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Sequence
 
 from tokenizers.decoders import DecodeStream
 

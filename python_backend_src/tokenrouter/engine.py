@@ -24,7 +24,7 @@ import logging
 import os
 import time
 from array import array
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence as Seq
 
 from . import sglang_cpu_compat

@@ -32,8 +32,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 import torch
 
 from .algorithms import RoutingAlgorithm, get_algorithm
-from .engine import KVCapacityError, Sequence
-from .protocol import FinishReason, PeerReq, Status, StepResult
+from .engine import Sequence
+from .protocol import FinishReason, PeerReq, StepResult
 from .sampling import BatchSampler
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ import locale
 import os
 from typing import Any, Dict, Optional
 
-__all__ = ["prepare_stub_process", "model_parameters", "resolve_model_path", "param"]
+__all__ = ["prepare_stub_process", "model_parameters", "resolve_model_path", "param", "llm_settings"]
 
 
 def prepare_stub_process() -> None:
@@ -79,3 +79,31 @@ def json_or_empty(text: Optional[str]) -> Dict[str, Any]:
     if not isinstance(v, dict):
         raise ValueError("expected a JSON object")
     return v
+
+
+def llm_settings(params: Dict[str, str]):
+    """EngineConfig and SubserverConfig keyword arguments from an LLM model's config parameters.
+
+    Returns:
+        ``(engine_kwargs, subserver_kwargs)`` — plain dicts (picklable), model_path resolved.
+        ``lockstep_group`` and ``event_log`` are left to the caller.
+    """
+    ctx = param(params, "context_length", 0, int)
+    engine = dict(
+        model_path=resolve_model_path(param(params, "model_path", "smollm2-135m-instruct")),
+        dtype=param(params, "dtype", "float32"),
+        kv_pool_tokens=param(params, "kv_pool_tokens", 16384, int),
+        max_running_requests=param(params, "max_running_requests", 32, int),
+        context_length=ctx or None,
+        torch_threads=param(params, "torch_threads", 0, int),
+        load_format=param(params, "load_format", "auto"),
+        random_seed=param(params, "random_seed", 0, int),
+        capture_hidden=param(params, "capture_hidden", False, bool),
+    )
+    sched = dict(
+        delayed_batch_size=max(1, param(params, "delayed_batch_size", 1, int)),
+        max_wait_s=param(params, "delayed_batch_max_wait_us", 5000, int) / 1e6,
+        stream_interval=max(1, param(params, "stream_interval", 1, int)),
+        readmit_on_resume=param(params, "readmit_on_resume", False, bool),
+    )
+    return engine, sched

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import threading
 import time
 from typing import Any, Dict, List
@@ -44,7 +43,7 @@ from .engine import EngineConfig, SGLangEngine
 from .lockstep import TurnRing, default_ring_path
 from .protocol import PeerReq
 from .subserver import FINAL_KINDS, Subserver, SubserverConfig
-from .triton_common import model_parameters, param, resolve_model_path
+from .triton_common import llm_settings, model_parameters, param
 
 logger = logging.getLogger(__name__)
 
@@ -84,24 +83,9 @@ class TritonPythonModel:
                 "tokenrouter LLM models must be decoupled (model_transaction_policy { decoupled: true })")
         self.name = args["model_name"]
         p = model_parameters(self.model_config)
-        ctx = param(p, "context_length", 0, int)
-        self.engine_config = EngineConfig(
-            model_path=resolve_model_path(param(p, "model_path", "smollm2-135m-instruct")),
-            dtype=param(p, "dtype", "float32"),
-            kv_pool_tokens=param(p, "kv_pool_tokens", 16384, int),
-            max_running_requests=param(p, "max_running_requests", 32, int),
-            context_length=ctx or None,
-            torch_threads=param(p, "torch_threads", 0, int),
-            load_format=param(p, "load_format", "auto"),
-            random_seed=param(p, "random_seed", 0, int),
-            capture_hidden=param(p, "capture_hidden", False, bool),
-        )
-        sched = SubserverConfig(
-            delayed_batch_size=max(1, param(p, "delayed_batch_size", 1, int)),
-            max_wait_s=param(p, "delayed_batch_max_wait_us", 5000, int) / 1e6,
-            stream_interval=max(1, param(p, "stream_interval", 1, int)),
-            readmit_on_resume=param(p, "readmit_on_resume", False, bool),
-        )
+        engine_kwargs, sched_kwargs = llm_settings(p)
+        self.engine_config = EngineConfig(**engine_kwargs)
+        sched = SubserverConfig(**sched_kwargs)
         group = param(p, "lockstep_group", "")
         if group:
             sched.lockstep = self._ring(group)

@@ -20,7 +20,9 @@ Inputs
 Outputs
     ``text_output`` BYTES, ``finish_reason`` BYTES, ``num_input_tokens`` INT32,
     ``num_output_tokens`` INT32, ``routing_summary`` BYTES (JSON:
-    tokens_by_model, handoffs, handoffs_by_pair, algorithm), ``routing_trace``
+    tokens_by_model, handoffs, handoffs_by_pair, algorithm, params and
+    handoff_gap_s: seconds from each handoff to the peer's first response),
+    ``routing_trace``
     BYTES (JSON: models, per-output-token model index ``trace``, output
     ``token_ids``, per-output-token router ``scores`` -- the score the writing
     model's rule compared with its threshold at that step, null where none --
@@ -41,7 +43,7 @@ import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -49,7 +51,8 @@ import triton_python_backend_utils as pb_utils
 
 from .algorithms import get_algorithm
 from .detok import IncrementalDetokenizer
-from .protocol import FinishReason, PeerReq
+from .protocol import FinishReason
+from .router_core import drive, encode_prompt, make_header, stop_token_ids
 from .sampling import SamplingParams, parse_sampling_parameters
 from .triton_common import model_parameters, param, resolve_model_path
 
@@ -98,11 +101,6 @@ class _Job:
     exclude_input: bool
     want_trace: bool
     params: Dict[str, Any]
-    tokens_by_model: Dict[str, int] = field(default_factory=dict)
-    pairs: Dict[str, int] = field(default_factory=dict)
-    trace: List[int] = field(default_factory=list)
-    scores: List[Optional[float]] = field(default_factory=list)
-    handoff_log: List[Dict[str, Any]] = field(default_factory=list)
 
 
 class TritonPythonModel:
@@ -126,12 +124,7 @@ class TritonPythonModel:
         self.context_length = param(p, "context_length", 0, int) or int(
             getattr(self.tokenizer, "model_max_length", 8192) if
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
-        stop_ids = {self.tokenizer.eos_token_id}
-        for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
-            tid = self.tokenizer.convert_tokens_to_ids(tok)
-            if isinstance(tid, int) and tid != self.tokenizer.unk_token_id and tid is not None:
-                stop_ids.add(tid)
-        self.stop_token_ids = sorted(i for i in stop_ids if i is not None)
+        self.stop_token_ids = stop_token_ids(self.tokenizer)
         self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
                                        thread_name_prefix="router")
         self._closing = threading.Event()
@@ -163,14 +156,7 @@ class TritonPythonModel:
                     {**params, self.algo_cls.threshold_param: sp.routing_threshold}, len(self.models))
             except ValueError as e:
                 raise ClientError(str(e)) from None
-        if _bool_input(request, "apply_chat_template", False):
-            ids = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-        else:
-            ids = self.tokenizer.encode(prompt)
-        ids = [int(i) for i in ids]
+        ids = encode_prompt(self.tokenizer, prompt, _bool_input(request, "apply_chat_template", False))
         if len(ids) >= self.context_length:
             raise ClientError(f"prompt has {len(ids)} tokens; the context length is {self.context_length}")
         if len(ids) + sp.max_tokens > self.context_length:
@@ -212,6 +198,20 @@ class TritonPythonModel:
         )
         return req.exec(decoupled=True)
 
+    def segment(self, model: str, rid: str, tokens: List[int], header: str):
+        """Transport for :func:`tokenrouter.router_core.drive`: one visit of ``rid`` to ``model`` over BLS."""
+        for resp in self._bls(model, rid, "run", tokens, header):
+            if resp.has_error():
+                raise RuntimeError(f"model {model}: {resp.error().message()}")
+            ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
+            ev_t = pb_utils.get_output_tensor_by_name(resp, "event")
+            yield ([] if ids_t is None else ids_t.as_numpy().reshape(-1).tolist(),
+                   {} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0]))
+
+    def release(self, model: str, rid: str) -> None:
+        """Transport for :func:`tokenrouter.router_core.drive`: free ``rid`` on ``model``."""
+        self._release(model, rid)
+
     def _release(self, model: str, rid: str) -> None:
         try:
             for r in self._bls(model, rid, "release", [], "{}"):
@@ -244,82 +244,13 @@ class TritonPythonModel:
                 pass
 
     def _run(self, job: _Job) -> None:
-        models = self.models
-        seq = list(job.prompt_ids)
-        n_prompt = len(seq)
-        seen = [0] * len(models)
-        touched = set()
-        released_by_model = set()
         detok = IncrementalDetokenizer(self.tokenizer, job.sp.stop)
-        header = PeerReq(rid=job.rid, max_tokens=job.sp.max_tokens,
-                         stop_token_ids=[] if job.sp.ignore_eos else self.stop_token_ids,
-                         sampling=job.sp.sampler_dict(), algorithm=self.algorithm, params=job.params,
-                         models=models)
-        current = self.algo_cls.first_model(job.params, rid=job.rid, sampling=header.sampling)
-        finish: Optional[str] = None
-        handoffs = 0
-        try:
-            while finish is None:
-                name = models[current]
-                touched.add(current)
-                suffix = seq[seen[current]:]
-                header.tokens = []
-                seen[current] = len(seq)
-                handoff = None
-                for resp in self._bls(name, job.rid, "run", suffix, header.header_json()):
-                    if resp.has_error():
-                        raise RuntimeError(f"model {name}: {resp.error().message()}")
-                    ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
-                    ev_t = pb_utils.get_output_tensor_by_name(resp, "event")
-                    ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).tolist()
-                    ev = {} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0])
-                    scores = ev.get("scores") or []
-                    if ids:
-                        job.scores.extend((scores + [None] * len(ids))[:len(ids)])
-                        seq.extend(ids)
-                        seen[current] = len(seq)
-                        job.tokens_by_model[name] = job.tokens_by_model.get(name, 0) + len(ids)
-                        job.trace.extend([current] * len(ids))
-                        delta = detok.add(ids)
-                        if job.stream and delta and finish is None:
-                            job.sender.send(self._chunk(delta))
-                        if detok.stopped and finish is None:
-                            finish = FinishReason.STOP.value
-                            self._release(name, job.rid)  # ends the running segment
-                            released_by_model.add(current)
-                    kind = ev.get("kind")
-                    if kind == "handoff":
-                        handoff = ev
-                        job.handoff_log.append({"pos": len(seq) - n_prompt, "from": current,
-                                                "to": int(ev["to_index"]), "committed": bool(ev.get("committed")),
-                                                "score": scores[-1] if scores else None})
-                    elif kind == "finished":
-                        finish = finish or ev.get("finish_reason", FinishReason.STOP.value)
-                        released_by_model.add(current)
-                    elif kind == "cancelled" and finish is None:
-                        finish = FinishReason.CANCELLED.value
-                        released_by_model.add(current)
-                    if finish is None and self._cancelled(job):
-                        finish = FinishReason.CANCELLED.value
-                        self._release(name, job.rid)
-                        released_by_model.add(current)
-                if finish is None and handoff is None:
-                    raise RuntimeError(f"model {name} ended a segment without a handoff or finish")
-                if handoff is not None and finish is None:
-                    peer = int(handoff["to_index"])
-                    hdr = PeerReq.from_wire(handoff["peer_req"], [])
-                    header = hdr
-                    pair = f"{name}->{models[peer]}"
-                    job.pairs[pair] = job.pairs.get(pair, 0) + 1
-                    handoffs += 1
-                    current = peer
-                    if self._cancelled(job):
-                        finish = FinishReason.CANCELLED.value
-        finally:
-            for m in touched:
-                if m not in released_by_model:
-                    self._release(models[m], job.rid)
-        if finish == FinishReason.CANCELLED.value:
+        header = make_header(job.rid, job.sp, self.algorithm, job.params, self.models, self.stop_token_ids)
+        first = self.algo_cls.first_model(job.params, rid=job.rid, sampling=header.sampling)
+        r = drive(self, header, job.prompt_ids, first, detok,
+                  on_delta=(lambda d: job.sender.send(self._chunk(d))) if job.stream else None,
+                  cancelled=lambda: self._cancelled(job))
+        if r.finish == FinishReason.CANCELLED.value:
             try:
                 job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled")),
                                 flags=_FINAL)
@@ -327,10 +258,10 @@ class TritonPythonModel:
                 pass
             return
         tail = detok.flush()
-        out_ids = seq[n_prompt:]
         summary = {"algorithm": self.algorithm, "params": job.params,
-                   "tokens_by_model": {m: job.tokens_by_model.get(m, 0) for m in models},
-                   "handoffs": handoffs, "handoffs_by_pair": job.pairs}
+                   "tokens_by_model": {m: r.tokens_by_model.get(m, 0) for m in self.models},
+                   "handoffs": r.handoffs, "handoffs_by_pair": r.pairs,
+                   "handoff_gap_s": [round(g, 6) for g in r.handoff_gaps_s]}
         if job.stream:
             text = tail
         else:
@@ -339,14 +270,14 @@ class TritonPythonModel:
                 text = job.prompt + text
         tensors = [
             pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.asarray([finish.encode()], dtype=np.object_)),
-            pb_utils.Tensor("num_input_tokens", np.asarray([n_prompt], dtype=np.int32)),
-            pb_utils.Tensor("num_output_tokens", np.asarray([len(out_ids)], dtype=np.int32)),
+            pb_utils.Tensor("finish_reason", np.asarray([r.finish.encode()], dtype=np.object_)),
+            pb_utils.Tensor("num_input_tokens", np.asarray([r.n_prompt], dtype=np.int32)),
+            pb_utils.Tensor("num_output_tokens", np.asarray([len(r.output_ids)], dtype=np.int32)),
             pb_utils.Tensor("routing_summary", np.asarray([json.dumps(summary).encode()], dtype=np.object_)),
         ]
         if job.want_trace:
-            tr = json.dumps({"models": models, "trace": job.trace, "token_ids": out_ids, "scores": job.scores,
-                             "handoffs": job.handoff_log})
+            tr = json.dumps({"models": self.models, "trace": r.trace, "token_ids": r.output_ids,
+                             "scores": r.scores, "handoffs": r.handoff_log})
             tensors.append(pb_utils.Tensor("routing_trace", np.asarray([tr.encode()], dtype=np.object_)))
         job.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL)
 

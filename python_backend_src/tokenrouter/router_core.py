@@ -1,0 +1,175 @@
+"""The router's inter-model loop, independent of how models are reached.
+
+Paper §Design, "Three decoupled loops": the inter-model loop forwards a
+handing-off model's PeerReq, with the token suffix the peer has not seen, to
+that peer.  :func:`drive` runs one request through the models until it ends;
+the *transport* reaches the models — Triton BLS calls in ``token_router``
+(:mod:`tokenrouter.triton_router`) or queues to worker processes in the
+no-Triton baseline (:mod:`tokenrouter.direct`).
+
+A transport has two methods:
+
+* ``segment(model, rid, tokens, header_json)`` → iterator of
+  ``(committed_token_ids, event_dict)`` for one visit of the request to
+  ``model``, ending with a final event (``handoff``, ``finished``,
+  ``cancelled``); raises ``RuntimeError`` when the model reports an error;
+* ``release(model, rid)`` → frees the request's state on ``model``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional
+
+from .protocol import FinishReason, PeerReq
+
+__all__ = ["RoutedRequest", "drive"]
+
+
+@dataclass
+class RoutedRequest:
+    """Outcome of :func:`drive`.
+
+    Attributes:
+        tokens: prompt + output token ids.
+        n_prompt: prompt length in tokens.
+        finish: finish reason (``stop``, ``length``, ``cancelled``).
+        tokens_by_model: output tokens written by each model.
+        handoffs: number of handoffs; ``pairs`` counts them by "from->to".
+        trace: per output token, the index of the model that wrote it.
+        scores: per output token, the router score the writing model's rule
+            compared with its threshold (None where it has none).
+        handoff_log: one dict per handoff (pos, from, to, committed, score).
+        handoff_gaps_s: seconds from each handoff event to the peer's first response.
+    """
+
+    tokens: List[int]
+    n_prompt: int
+    finish: str = ""
+    tokens_by_model: Dict[str, int] = field(default_factory=dict)
+    handoffs: int = 0
+    pairs: Dict[str, int] = field(default_factory=dict)
+    trace: List[int] = field(default_factory=list)
+    scores: List[Optional[float]] = field(default_factory=list)
+    handoff_log: List[Dict[str, Any]] = field(default_factory=list)
+    handoff_gaps_s: List[float] = field(default_factory=list)
+
+    @property
+    def output_ids(self) -> List[int]:
+        return self.tokens[self.n_prompt:]
+
+
+def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, detok,
+          on_delta: Optional[Callable[[str], None]] = None,
+          cancelled: Callable[[], bool] = lambda: False) -> RoutedRequest:
+    """Run one request through the models until it finishes; release every model's state.
+
+    Args:
+        transport: see the module docstring.
+        header: the initial PeerReq (tokens empty; ``models`` names the deployment).
+        prompt_ids: prompt token ids.
+        first_model: index of the model that writes first.
+        detok: an :class:`~tokenrouter.detok.IncrementalDetokenizer` (handles stop strings).
+        on_delta: called with each releasable text delta (streaming).
+        cancelled: polled between responses; True ends the request as ``cancelled``.
+
+    Raises:
+        RuntimeError: a model reported an error (state is released on every model first).
+    """
+    models = header.models
+    r = RoutedRequest(tokens=list(prompt_ids), n_prompt=len(prompt_ids))
+    seen = [0] * len(models)
+    touched, released = set(), set()
+    current, finish = first_model, None
+    handoff_at = None
+    rid = header.rid
+    try:
+        while finish is None:
+            name = models[current]
+            touched.add(current)
+            suffix = r.tokens[seen[current]:]
+            seen[current] = len(r.tokens)
+            header.tokens = []
+            handoff = None
+            for ids, ev in transport.segment(name, rid, suffix, header.header_json()):
+                if handoff_at is not None:
+                    r.handoff_gaps_s.append(time.perf_counter() - handoff_at)
+                    handoff_at = None
+                scores = ev.get("scores") or []
+                if ids:
+                    r.scores.extend((list(scores) + [None] * len(ids))[:len(ids)])
+                    r.tokens.extend(ids)
+                    seen[current] = len(r.tokens)
+                    r.tokens_by_model[name] = r.tokens_by_model.get(name, 0) + len(ids)
+                    r.trace.extend([current] * len(ids))
+                    delta = detok.add(ids)
+                    if on_delta is not None and delta and finish is None:
+                        on_delta(delta)
+                    if detok.stopped and finish is None:
+                        finish = FinishReason.STOP.value
+                        transport.release(name, rid)  # ends the running segment
+                        released.add(current)
+                kind = ev.get("kind")
+                if kind == "handoff":
+                    handoff = ev
+                    handoff_at = time.perf_counter()
+                    r.handoff_log.append({"pos": len(r.tokens) - r.n_prompt, "from": current,
+                                          "to": int(ev["to_index"]), "committed": bool(ev.get("committed")),
+                                          "score": scores[-1] if scores else None})
+                elif kind == "finished":
+                    finish = finish or ev.get("finish_reason", FinishReason.STOP.value)
+                    released.add(current)
+                elif kind == "cancelled" and finish is None:
+                    finish = FinishReason.CANCELLED.value
+                    released.add(current)
+                if finish is None and cancelled():
+                    finish = FinishReason.CANCELLED.value
+                    transport.release(name, rid)
+                    released.add(current)
+            if finish is None and handoff is None:
+                raise RuntimeError(f"model {name} ended a segment without a handoff or finish")
+            if handoff is not None and finish is None:
+                peer = int(handoff["to_index"])
+                header = PeerReq.from_wire(handoff["peer_req"], [])
+                pair = f"{name}->{models[peer]}"
+                r.pairs[pair] = r.pairs.get(pair, 0) + 1
+                r.handoffs += 1
+                current = peer
+                if cancelled():
+                    finish = FinishReason.CANCELLED.value
+    finally:
+        for m in touched:
+            if m not in released:
+                transport.release(models[m], rid)
+    r.finish = finish
+    return r
+
+
+def stop_token_ids(tokenizer) -> List[int]:
+    """EOS and chat end-of-turn token ids of ``tokenizer`` (they end a request)."""
+    ids = {tokenizer.eos_token_id}
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool) -> List[int]:
+    """Token ids of ``prompt``; with ``chat`` wrapped as a user turn by the chat template."""
+    if chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                            add_generation_prompt=True, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+    else:
+        ids = tokenizer.encode(prompt)
+    return [int(i) for i in ids]
+
+
+def make_header(rid: str, sp, algorithm: str, params: Dict[str, Any], models: List[str],
+                stop_ids: List[int]) -> PeerReq:
+    """The first PeerReq of a request from validated :class:`~tokenrouter.sampling.SamplingParams`."""
+    return PeerReq(rid=rid, max_tokens=sp.max_tokens, stop_token_ids=[] if sp.ignore_eos else list(stop_ids),
+                   sampling=sp.sampler_dict(), algorithm=algorithm, params=params, models=list(models))
