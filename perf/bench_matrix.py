@@ -23,11 +23,11 @@ TTFT, ITL p50/p99, end-to-end latency, LLM token share and handoffs per request,
 then ratios of tokenrouter against each baseline.  Results: JSON, a markdown
 table and PNG plots under --out.
 
-Scaled for a 2-core CPU by default (output lengths 16/64 tokens instead of the
-issue's 128/512, one request per client); ``--full`` restores 128/512 and
-three requests per client for GPU hosts.
+Scaled for a 2-core CPU by default (output lengths 16/48 tokens instead of the
+issue's 128/512, N up to 8, one request per client); ``--full`` restores
+128/512, N up to 16 and three requests per client for GPU hosts.
 
-    source deploy/env.sh && python perf/bench_matrix.py            # ~15 min here
+    source deploy/env.sh && python perf/bench_matrix.py            # ~30-40 min on 2 cores
     python perf/bench_matrix.py --pairs demo --concurrency 1,4 --max-tokens 16   # smoke
 """
 
@@ -167,8 +167,29 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                         json.dump(results, f, indent=1)
         for m in MODELS:
             admin.configure(url, m, **RESET)
+        results.setdefault("triton_batching", {})[pair] = triton_batching(srv.http_url)
+        print(f"Triton statistics ({pair}): " + ", ".join(
+            f"{m}: {v['inference_count']} requests in {v['execution_count']} executions"
+            for m, v in results["triton_batching"][pair].items()), flush=True)
     if "no-triton" in args.modes:
         run_no_triton(pair, repo, args, results, out_dir, prompts)
+
+
+def triton_batching(http_url: str) -> Dict[str, Dict[str, int]]:
+    """inference_count vs execution_count of each LLM model from Triton's statistics endpoint.
+
+    A ratio above 1 means the dynamic batcher handed several requests (new ones
+    and handoff resumes) to one ``execute`` call.
+    """
+    import urllib.request
+
+    out = {}
+    for m in MODELS:
+        with urllib.request.urlopen(f"http://{http_url}/v2/models/{m}/stats", timeout=10) as r:
+            st = json.load(r)["model_stats"][0]
+        out[m] = {"inference_count": int(st.get("inference_count", 0)),
+                  "execution_count": int(st.get("execution_count", 0))}
+    return out
 
 
 def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: str, prompts: List[str]) -> None:
@@ -286,8 +307,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default="demo,size-realistic")
     ap.add_argument("--modes", default=",".join(ALL_MODES))
-    ap.add_argument("--concurrency", default="1,4,8,16")
-    ap.add_argument("--max-tokens", default=None, help="comma list (default 16,64; --full: 128,512)")
+    ap.add_argument("--concurrency", default=None, help="comma list (default 1,4,8; --full: 1,4,8,16)")
+    ap.add_argument("--max-tokens", default=None, help="comma list (default 16,48; --full: 128,512)")
     ap.add_argument("--requests-per-client", type=int, default=None)
     ap.add_argument("--wait-factor", type=float, default=1.0,
                     help="delayed-batching wait bound in SLM step times (default 1)")
@@ -299,19 +320,23 @@ def main(argv=None) -> int:
     bad = set(a.modes) - set(ALL_MODES)
     if bad:
         ap.error(f"unknown modes {sorted(bad)}; known: {ALL_MODES}")
-    a.concurrency = [int(x) for x in a.concurrency.split(",")]
-    a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,64")).split(",")]
+    a.concurrency = [int(x) for x in (a.concurrency or ("1,4,8,16" if a.full else "1,4,8")).split(",")]
+    a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,48")).split(",")]
     a.requests_per_client = a.requests_per_client or (3 if a.full else 1)
     os.makedirs(a.out, exist_ok=True)
     settings = {"pairs": a.pairs, "modes": a.modes, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "requests_per_client": a.requests_per_client, "full": a.full,
-                "note": "" if a.full else "scaled for a 2-core CPU: output lengths 16/64 stand for 128/512"}
+                "note": "" if a.full else ("scaled for a 2-core CPU: output lengths 16/48 stand for 128/512, "
+                                           "N = 16 and repeated requests left to --full")}
     results: Dict[str, Any] = {"settings": settings, "rows": []}
     print(f"settings: {settings}")
     t0 = time.time()
     for pair in a.pairs:
         run_pair(pair, a, results, a.out)
     md = markdown(results)
+    for pair, v in results.get("triton_batching", {}).items():
+        md += f"\n\nTriton statistics ({pair}, whole run): " + ", ".join(
+            f"{m} {x['inference_count']} requests / {x['execution_count']} executions" for m, x in v.items())
     with open(os.path.join(a.out, "results.md"), "w") as f:
         f.write(md + "\n")
     files = plots(results, a.out)
