@@ -21,15 +21,25 @@ class RStitch(RoutingAlgorithm):
     """Normalised-entropy threshold routing between model 0 (SLM) and model 1 (LLM)."""
 
     name = "rstitch"
-    params_spec = {"tau": ParamSpec(float, 0.03, 0.0, 1.0, "normalised-entropy threshold τ")}
+    params_spec = {
+        "tau": ParamSpec(float, 0.03, 0.0, 1.0, "normalised-entropy threshold τ"),
+        # Not part of the published rule (0 = off).  Used by the size-realistic
+        # benchmark pair, whose LLM has random weights and so is never confident:
+        # the cap stands in for a real LLM's low-entropy tokens.
+        "max_llm_run": ParamSpec(int, 0, 0, None, "hand back after this many LLM tokens in a row (0: no cap)"),
+    }
     threshold_param = "tau"
 
     def route(self, result: StepResult) -> int:
-        """SLM: hand over (1) when H/log V > τ.  LLM: hand back (1) when H/log V ≤ τ."""
+        """SLM: hand over (1) when H/log V > τ.  LLM: hand back (1) when H/log V ≤ τ
+        (or after ``max_llm_run`` consecutive LLM tokens when that cap is set)."""
         tau = self.params["tau"]
         self.last_score = float(result.norm_entropy)
         if self.model_index == 0:
             return 1 if result.norm_entropy > tau else 0
+        cap = self.params.get("max_llm_run", 0)
+        if cap and result.state is not None and len(result.state.seq.tokens) - result.state.loc + 1 >= cap:
+            return 1
         return 1 if result.norm_entropy <= tau else 0
 
     def commit_on_handoff(self, result: StepResult) -> bool:
