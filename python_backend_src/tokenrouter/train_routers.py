@@ -205,7 +205,7 @@ def main(argv=None) -> int:
     ap.add_argument("--label-slm", choices=("auto", "served", "fakequant"), default="auto",
                     help="labelling SLM: auto = fakequant when SLM == LLM, else served")
     ap.add_argument("--bits", type=int, default=4, help="fake-quantisation bits of the labelling SLM")
-    ap.add_argument("--group", type=int, default=64, help="fake-quantisation group size (input channels)")
+    ap.add_argument("--group", type=int, default=32, help="fake-quantisation group size (input channels)")
     ap.add_argument("--prompts", default=os.path.join(REPO_ROOT, "data", "router_prompts.jsonl"))
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=ROUTERS_DIR, help="output folder")

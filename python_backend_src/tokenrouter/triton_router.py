@@ -41,6 +41,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -101,6 +102,12 @@ class _Job:
     exclude_input: bool
     want_trace: bool
     params: Dict[str, Any]
+    next_cancel_check: float = 0.0
+
+
+#: seconds between two cancellation checks of one request: each check is an IPC
+#: round trip to the server, made from a router worker thread
+CANCEL_CHECK_INTERVAL_S = 0.05
 
 
 class TritonPythonModel:
@@ -222,15 +229,15 @@ class TritonPythonModel:
 
     @staticmethod
     def _cancelled(job: _Job) -> bool:
-        for obj in (job.request, job.sender):
-            fn = getattr(obj, "is_cancelled", None)
-            if fn is not None:
-                try:
-                    if fn():
-                        return True
-                except Exception:  # noqa: BLE001
-                    pass
-        return False
+        """Whether the client cancelled ``job`` (checked at most every CANCEL_CHECK_INTERVAL_S)."""
+        now = time.monotonic()
+        if now < job.next_cancel_check:
+            return False
+        job.next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
+        try:
+            return bool(job.request.is_cancelled())
+        except Exception:  # noqa: BLE001
+            return False
 
     # --------------------------------------------------------------- request
     def _run_guarded(self, job: _Job) -> None:
