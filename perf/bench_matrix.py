@@ -82,9 +82,13 @@ def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -
         f.write("\n".join(event_lines) + "\n")
     prof = os.path.join(workdir, f"profile-N{concurrency}.json")
     py = sys.executable
-    subprocess.run([py, "-m", "scheduler_model", "profile", "--events", ev, "--models", ",".join(MODELS),
-                    "--concurrency", str(concurrency), "-o", prof], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL)
+    made = subprocess.run([py, "-m", "scheduler_model", "profile", "--events", ev, "--models", ",".join(MODELS),
+                           "--concurrency", str(concurrency), "-o", prof], cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if made.returncode != 0:  # e.g. no request reached the LLM: nothing to batch there
+        print(f"  (no profile at N={concurrency}: {made.stderr.strip()}; B = 1)", flush=True)
+        return {"B_star": {m: 1 for m in MODELS}, "table": [], "profile": None,
+                "note": made.stderr.strip()}
     with open(prof) as f:
         profile = json.load(f)
     profile["fixed_thresholds"] = {"slm": 1}
@@ -131,7 +135,8 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
                             bstar = b_star_from_events(lines, N, work)
                         B = bstar["B_star"]
-                        wait_us = int(1e6 * args.wait_factor * _lat(bstar["profile"], "slm"))
+                        wait_us = (int(1e6 * args.wait_factor * _lat(bstar["profile"], "slm"))
+                                   if bstar["profile"] else 0)
                         for m in MODELS:
                             admin.configure(url, m, delayed_batch_size=int(B[m]),
                                             delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)

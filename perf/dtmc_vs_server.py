@@ -63,6 +63,9 @@ def main(argv=None) -> int:
             run_load(url, prompts, N, a.max_tokens, a.requests_per_client)
             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
             sol = b_star_from_events(lines, N, a.out)
+            if sol["profile"] is None:
+                print(f"N={N}: no profile ({sol['note']}); skipped", flush=True)
+                continue
             predicted = {int(r["B"]["llm"]): r["throughput_tokens_per_s"] for r in sol["table"]
                          if int(r["B"]["slm"]) == 1}
             measured = {}

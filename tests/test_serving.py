@@ -167,6 +167,7 @@ BAD_SAMPLING = [
     ('{"temperature": -1}', "temperature"),
     ('{"top_p": 0}', "top_p"),
     ('{"routing_threshold": 7}', "tau"),
+    ('{"seed": 18446744073709551616}', "seed"),
 ]
 
 
@@ -247,3 +248,49 @@ def test_cancelled_streams_free_kv_and_others_unaffected(triton_server):
             break
         time.sleep(0.2)
     assert kv.get("slm") == 0 and kv.get("llm") == 0, kv
+
+
+def test_garbage_to_internal_models_fails_alone(triton_server):
+    """Bad work sent straight to a model subserver is rejected; concurrent requests are unharmed."""
+    from tokenrouter import admin
+
+    sp = {"max_tokens": 24, "temperature": 0}
+    reference = generate(triton_server, "Name three rivers:", sp)["text_output"]
+    bad = [
+        {"rid": "g1", "max_tokens": 4, "models": ["slm", "llm"], "resume": True},          # unknown resume
+        {"rid": "g2", "max_tokens": -1, "models": ["slm", "llm"]},                          # bad budget
+        {"rid": "g3", "max_tokens": 4, "models": ["slm", "llm"], "sampling": {"seed": 2**70}},
+        {"rid": "g4", "max_tokens": 4, "models": ["slm", "llm"], "params": {"tau": "x"}},
+    ]
+    with cf.ThreadPoolExecutor(2) as ex:
+        victim = ex.submit(grpc_stream, triton_server, "Name three rivers:", sp)
+        for hdr in bad:
+            with pytest.raises(RuntimeError):
+                admin.model_op(triton_server.grpc_url, "slm", "run", hdr, request_id=hdr["rid"])
+        with pytest.raises(RuntimeError):  # token ids outside the vocabulary
+            _run_with_tokens(triton_server, [10**9])
+        v = victim.result()
+    assert v["error"] is None and v["text"] == reference
+    st = wait_kv_released(triton_server)
+    assert all(s["kv_tokens_in_use"] == 0 and s["active"] == 0 for s in st.values()), st
+
+
+def _run_with_tokens(server, tokens):
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    try:
+        def inp(name, arr, dtype):
+            x = grpcclient.InferInput(name, list(arr.shape), dtype)
+            x.set_data_from_numpy(arr)
+            return x
+        hdr = json.dumps({"rid": "g5", "max_tokens": 4, "models": ["slm", "llm"]})
+        c.async_stream_infer("slm", [inp("request_id", np.array([[b"g5"]], dtype=np.object_), "BYTES"),
+                                     inp("input_ids", np.array([tokens], dtype=np.int64), "INT64"),
+                                     inp("peer_req", np.array([[hdr.encode()]], dtype=np.object_), "BYTES")])
+        result, error = q.get(timeout=60)
+        if error is not None:
+            raise RuntimeError(str(error))
+    finally:
+        c.stop_stream()
+        c.close()

@@ -52,6 +52,8 @@ class PeerReq:
         step: forward steps the request has run, all models together (event logs).
         models: names of the deployment's models in order (model 0 writes first
             by default); route() peer indices refer to this list.
+        resume: the receiving model already holds this request (set by the
+            router); a resume of an unknown request is an error, never a new one.
     """
 
     rid: str
@@ -66,6 +68,7 @@ class PeerReq:
     extras: Dict[str, Any] = field(default_factory=dict)
     step: int = 0
     models: List[str] = field(default_factory=list)
+    resume: bool = False
 
     def header_json(self) -> str:
         """JSON of every field but ``tokens`` (they travel as an INT64 tensor)."""

@@ -89,6 +89,7 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
             name = models[current]
             touched.add(current)
             suffix = r.tokens[seen[current]:]
+            header.resume = seen[current] > 0
             seen[current] = len(r.tokens)
             header.tokens = []
             handoff = None

@@ -15,7 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["SamplingParams", "parse_sampling_parameters", "BatchSampler", "normalized_entropy"]
+__all__ = ["SamplingParams", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
+           "normalized_entropy", "MAX_SEED"]
 
 
 @dataclass
@@ -50,6 +51,8 @@ class SamplingParams:
 
 
 _KEYS = set(SamplingParams.__dataclass_fields__)
+#: torch.Generator seeds are 64-bit signed
+MAX_SEED = 2**63 - 1
 
 
 def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16) -> SamplingParams:
@@ -97,7 +100,7 @@ def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16)
     if "top_k" in d:
         p.top_k = num("top_k", int, -1)
     if "seed" in d and d["seed"] is not None:
-        p.seed = num("seed", int, 0)
+        p.seed = num("seed", int, 0, MAX_SEED)
     if "routing_threshold" in d and d["routing_threshold"] is not None:
         p.routing_threshold = num("routing_threshold", float)
     if "ignore_eos" in d:
@@ -112,6 +115,21 @@ def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16)
             raise ValueError("sampling_parameters.stop must be a non-empty string or a list of them")
         p.stop = s
     return p
+
+
+def validate_sampling(sampling: Dict[str, Any]) -> None:
+    """Check a PeerReq's sampler dict (temperature, top_p, top_k, seed) as a model receives it.
+
+    Raises:
+        ValueError: a value of the wrong type or out of range (the router checks
+            client input earlier; this guards the models' own endpoints).
+    """
+    if not isinstance(sampling, dict):
+        raise ValueError("sampling must be a JSON object")
+    unknown = set(sampling) - {"temperature", "top_p", "top_k", "seed"}
+    if unknown:
+        raise ValueError(f"unknown sampling keys {sorted(unknown)}")
+    parse_sampling_parameters(json.dumps({k: v for k, v in sampling.items() if v is not None}))
 
 
 def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:

@@ -34,7 +34,7 @@ import torch
 from .algorithms import RoutingAlgorithm, get_algorithm
 from .engine import Sequence
 from .protocol import FinishReason, PeerReq, StepResult
-from .sampling import BatchSampler
+from .sampling import BatchSampler, validate_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -276,7 +276,16 @@ class Subserver:
     def _handle(self, item) -> None:
         op, a, b = item
         if op == "run":
-            self._receive(a, b)
+            try:
+                self._receive(a, b)
+            except Exception as e:  # noqa: BLE001 - bad work fails that request only
+                logger.exception("receive on %s failed", self.name)
+                self.counters["errors"] += 1
+                lr = self.requests.get(a.rid)
+                if lr is not None and lr.sink is b:
+                    self._release(a.rid, "error", str(e))  # answers b through the segment's sink
+                else:
+                    b("error", [], {"message": f"model {self.name}: {e}"})
         elif op == "release":
             self._release(a, "cancelled", "released by the router")
             self._admit_waiting()
@@ -287,16 +296,32 @@ class Subserver:
     def _reservation(self, peer_req: PeerReq, known_tokens: int) -> int:
         return known_tokens + max(0, peer_req.max_tokens - peer_req.num_generated) + 1
 
+    def _validate(self, peer_req: PeerReq, lr: Optional[LocalRequest]) -> None:
+        """Reject a PeerReq this model cannot run (ValueError, for that request only)."""
+        if lr is not None and lr.sink is not None:
+            raise ValueError(f"request {peer_req.rid!r} is already running on model {self.name}")
+        if lr is None and peer_req.resume:
+            raise ValueError(f"request {peer_req.rid!r} has no state on model {self.name} to resume "
+                             "(released or never admitted)")
+        if lr is None and not peer_req.tokens:
+            raise ValueError("a new request needs at least one token")
+        if peer_req.max_tokens < 1 or not 0 <= peer_req.num_generated <= peer_req.max_tokens:
+            raise ValueError(f"invalid budget: max_tokens={peer_req.max_tokens}, "
+                             f"num_generated={peer_req.num_generated}")
+        vocab = self.engine.vocab_size
+        if any(not 0 <= t < vocab for t in peer_req.tokens):
+            raise ValueError(f"token ids must be in [0, {vocab})")
+        validate_sampling(peer_req.sampling)
+
     def _receive(self, peer_req: PeerReq, sink: Sink) -> None:
         self.counters["requests_in"] += 1
         lr = self.requests.get(peer_req.rid)
-        if lr is not None and lr.sink is not None:
-            sink("error", [], {"message": f"request {peer_req.rid!r} is already running on model {self.name}"})
-            return
         try:
+            self._validate(peer_req, lr)
             algo = self._make_algo(peer_req)
         except ValueError as e:
-            sink("error", [], {"message": str(e)})
+            self.counters["errors"] += 1
+            sink("error", [], {"message": f"model {self.name}: {e}"})
             return
         if lr is None:
             need = self._reservation(peer_req, len(peer_req.tokens))
@@ -330,7 +355,8 @@ class Subserver:
         if self.name not in peer_req.models:
             raise ValueError(f"model {self.name!r} is not in the request's model list {peer_req.models}")
         cls = get_algorithm(peer_req.algorithm)
-        algo = cls(peer_req.models.index(self.name), len(peer_req.models), peer_req.params)
+        params = cls.validate_params(peer_req.params, len(peer_req.models))
+        algo = cls(peer_req.models.index(self.name), len(peer_req.models), params)
         algo.attach(self.engine)  # learned routers: hidden-state capture check, embeddings
         return algo
 
@@ -419,6 +445,17 @@ class Subserver:
                 self._release(lr.rid, "error", str(e))
             return
         t_fwd = time.perf_counter()
+        try:
+            self._finish_step(batch, out, t0, t_fwd, has_prefill)
+        except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
+            logger.exception("step failed on %s", self.name)
+            for lr in batch:
+                if lr.rid in self.requests:
+                    self.counters["errors"] += 1
+                    self._release(lr.rid, "error", f"step failed on model {self.name}: {e}")
+
+    def _finish_step(self, batch: List[LocalRequest], out, t0: float, t_fwd: float, has_prefill: bool) -> None:
+        """Sample, route and stream the results of one forward step (see :meth:`_step`)."""
         logits = out.logits
         logp = torch.log_softmax(logits, dim=-1)
         ent = (-(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])).tolist()
