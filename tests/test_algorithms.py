@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from tr_client import generate
+
 from tritonserver import TritonServer
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -71,15 +73,7 @@ def server(tmp_path_factory):
 
 def gen(server, model: str, prompt: str, sampling: dict, timeout: float = 120) -> dict:
     """Non-streaming /generate on router ``model`` with the routing trace; parsed JSON plus ``_status``."""
-    body = {"text_input": prompt, "exclude_input_in_output": True, "return_routing_trace": True,
-            "sampling_parameters": json.dumps(sampling)}
-    r = requests.post(f"http://{server.http_url}/v2/models/{model}/generate", json=body, timeout=timeout)
-    out = r.json()
-    out["_status"] = r.status_code
-    for k in ("routing_summary", "routing_trace"):
-        if isinstance(out.get(k), str):
-            out[k] = json.loads(out[k])
-    return out
+    return generate(server, prompt, sampling, model=model, timeout=timeout)
 
 
 def greedy(n=N, **kw) -> dict:

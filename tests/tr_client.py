@@ -17,13 +17,15 @@ from tokenrouter import admin
 
 
 def generate(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, chat: bool = False,
-             trace: bool = True, exclude_input: bool = True, timeout: float = 300) -> Dict[str, Any]:
-    """Non-streaming request through the HTTP ``/generate`` endpoint; returns the JSON (parsed fields)."""
+             trace: bool = True, exclude_input: bool = True, timeout: float = 300,
+             model: str = "token_router") -> Dict[str, Any]:
+    """Non-streaming request through the HTTP ``/generate`` endpoint of router ``model``;
+    returns the JSON with routing fields parsed and ``_status``."""
     body: Dict[str, Any] = {"text_input": prompt, "apply_chat_template": chat,
                             "exclude_input_in_output": exclude_input, "return_routing_trace": trace}
     if sampling is not None:
         body["sampling_parameters"] = json.dumps(sampling)
-    r = requests.post(f"http://{server.http_url}/v2/models/token_router/generate", json=body, timeout=timeout)
+    r = requests.post(f"http://{server.http_url}/v2/models/{model}/generate", json=body, timeout=timeout)
     out = r.json()
     out["_status"] = r.status_code
     for k in ("routing_summary", "routing_trace"):
