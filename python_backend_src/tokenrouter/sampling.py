@@ -132,19 +132,17 @@ def validate_sampling(sampling: Dict[str, Any]) -> None:
     parse_sampling_parameters(json.dumps({k: v for k, v in sampling.items() if v is not None}))
 
 
-def normalized_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) divided by log V, per row.
+def normalized_entropy(logp: torch.Tensor) -> torch.Tensor:
+    """Entropy of a distribution divided by log V, per row.
 
     Args:
-        logits: float tensor ``[B, V]``.
+        logp: float log-probabilities ``[B, V]`` (``log_softmax`` of the logits).
 
     Returns:
         float32 tensor ``[B]`` in [0, 1].  R-Stitch's uncertainty score
         (normalised entropy, H / log V).
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    h = -(logp.exp() * logp).sum(-1)
-    return h / math.log(logits.shape[-1])
+    return -(logp.exp() * logp).sum(-1) / math.log(logp.shape[-1])
 
 
 class BatchSampler:

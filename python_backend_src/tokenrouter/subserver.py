@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import queue
 import threading
 import time
@@ -34,7 +33,7 @@ import torch
 from .algorithms import RoutingAlgorithm, get_algorithm
 from .engine import Sequence
 from .protocol import FinishReason, PeerReq, StepResult
-from .sampling import BatchSampler, validate_sampling
+from .sampling import BatchSampler, normalized_entropy, validate_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -458,7 +457,7 @@ class Subserver:
         """Sample, route and stream the results of one forward step (see :meth:`_step`)."""
         logits = out.logits
         logp = torch.log_softmax(logits, dim=-1)
-        ent = (-(logp.exp() * logp).sum(-1) / math.log(logits.shape[-1])).tolist()
+        ent = normalized_entropy(logp).tolist()
         toks_t = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch])
         probs = logp.gather(1, toks_t.view(-1, 1)).exp().view(-1).tolist()
         toks = toks_t.tolist()
