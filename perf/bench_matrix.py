@@ -13,8 +13,8 @@ std-serving     a returning request is re-admitted and re-prefilled (no pending 
 lock-step       models step in turn, one global step at a time (official style)
 llm-only        no routing: the LLM writes every token (router algorithm "none")
 slm-only        no routing: the SLM writes every token
-no-triton       tokenrouter's engines, decode loops, router logic and B*, in worker
-                processes driven over queues without Triton (SGLang keeps one model
+no-triton       tokenrouter's engines, decode loops, ZeroMQ channel, router logic and
+                B*, in worker processes driven without Triton (SGLang keeps one model
                 per process): the limit the Triton path is measured against
 ==============  =============================================================
 

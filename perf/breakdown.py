@@ -5,12 +5,12 @@ measured through Triton on one server, modes switched at run time:
 
 * decode step (per pure-decode step, from the models' counters): model forward (incl. batch
   preparation), route (sampling, entropy, route/send decisions), response
-  sending through Triton; and the client-seen inter-token latency, whose excess
-  over the step is the Triton/BLS/router response path.
+  sending to the router; and the client-seen inter-token latency, whose excess
+  over the step is the router/Triton/gRPC response path.
 * handoff (per handoff, from the router): the gap from a handoff event to the
   peer's first response, split into the peer's forward time for the resume
-  step (mean forward of steps that resume requests, no prompt prefill) and the rest: the BLS round trip, Triton
-  queueing and response path.
+  step (mean forward of steps that resume requests, no prompt prefill) and the rest: the inter-model
+  round trip and queueing — over ZeroMQ (default) and, for comparison, with one BLS call per visit.
 
     source deploy/env.sh && python perf/breakdown.py [--pair demo] [--max-tokens 64]
 """
@@ -41,14 +41,14 @@ KEYS = ("steps", "decode_steps", "decode_step_forward_s", "resume_steps", "resum
         "step_time_s")
 
 
-def measure(url: str, prompts, n_requests: int, max_tokens: int):
+def measure(url: str, prompts, n_requests: int, max_tokens: int, router: str = "token_router"):
     before = {m: admin.model_stats(url, m) for m in MODELS}
     itl, gaps = [], []
     for i in range(n_requests):
         stamps = []
         out = stream_generate(url, prompts[i % len(prompts)], {"max_tokens": max_tokens, "temperature": 0,
                                                                "ignore_eos": True},
-                              on_text=lambda s: stamps.append(time.perf_counter()))
+                              on_text=lambda s: stamps.append(time.perf_counter()), model=router)
         itl += [b - a for a, b in zip(stamps, stamps[1:])]
         gaps += out["routing_summary"].get("handoff_gap_s", [])
     after = {m: admin.model_stats(url, m) for m in MODELS}
@@ -80,24 +80,29 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("breakdown-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(a.out, "model_repository"), a.pair)
+    # a second router on the same models, reaching them with a BLS call per visit instead of ZeroMQ
+    repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(a.out, "model_repository"), a.pair,
+                        routers={"token_router_bls": {"inter_model_transport": "bls"}})
     prompts = _prompts()
     rows = {}
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(a.out, "tritonserver.log")) as srv:
         url = srv.grpc_url
         stream_generate(url, prompts[0], {"max_tokens": 4})  # warm-up
-        for mode, cfg in (("tokenrouter (pending resume)", {}), ("std-serving (re-prefill)", {"readmit_on_resume": True})):
+        stream_generate(url, prompts[0], {"max_tokens": 4}, model="token_router_bls")
+        for mode, cfg, router in (("tokenrouter (pending resume)", {}, "token_router"),
+                                  ("tokenrouter, BLS transport", {}, "token_router_bls"),
+                                  ("std-serving (re-prefill)", {"readmit_on_resume": True}, "token_router")):
             for m in MODELS:
                 admin.configure(url, m, **{**RESET, **cfg})
-            rows[mode] = measure(url, prompts, a.requests, a.max_tokens)
+            rows[mode] = measure(url, prompts, a.requests, a.max_tokens, router)
         for m in MODELS:
             admin.configure(url, m, **RESET)
     labels = [("decode step: model forward", "decode_forward_ms"), ("decode step: route (sample, entropy, rule)", "route_ms"),
-              ("decode step: send response (Triton)", "send_ms"), ("decode step total", "step_ms"),
-              ("client ITL p50", "itl_p50_ms"), ("ITL − step: BLS/router/gRPC response path", "response_path_ms"),
+              ("decode step: send response to the router", "send_ms"), ("decode step total", "step_ms"),
+              ("client ITL p50", "itl_p50_ms"), ("ITL − step: router/gRPC response path", "response_path_ms"),
               ("handoff: event → peer's first response", "handoff_gap_ms"),
               ("handoff: peer's resume forward (extend step)", "resume_forward_ms"),
-              ("handoff: BLS round trip + queueing", "handoff_overhead_ms")]
+              ("handoff: inter-model round trip + queueing", "handoff_overhead_ms")]
     modes = list(rows)
     lines = [f"Time breakdown ({a.pair} pair, N = 1, {a.requests} requests × {a.max_tokens} tokens), ms", "",
              "| component | " + " | ".join(modes) + " |", "|---|" + "---|" * len(modes)]

@@ -3,9 +3,10 @@
 Paper §Design, "Three decoupled loops": the inter-model loop forwards a
 handing-off model's PeerReq, with the token suffix the peer has not seen, to
 that peer.  :func:`drive` runs one request through the models until it ends;
-the *transport* reaches the models — Triton BLS calls in ``token_router``
-(:mod:`tokenrouter.triton_router`) or queues to worker processes in the
-no-Triton baseline (:mod:`tokenrouter.direct`).
+the *transport* reaches the models — the ZeroMQ channel
+(:class:`tokenrouter.peer_channel.PeerClient`, used by ``token_router`` and by
+the no-Triton baseline :mod:`tokenrouter.direct`) or Triton BLS calls
+(``token_router`` with ``inter_model_transport: bls``).
 
 A transport has two methods:
 
@@ -13,6 +14,8 @@ A transport has two methods:
   ``(committed_token_ids, event_dict)`` for one visit of the request to
   ``model``, ending with a final event (``handoff``, ``finished``,
   ``cancelled``); raises ``RuntimeError`` when the model reports an error;
+  while waiting it may yield ``([], {"kind": "tick"})`` so that cancellation
+  is noticed even when the model sends nothing;
 * ``release(model, rid)`` → frees the request's state on ``model``.
 """
 
@@ -94,6 +97,13 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
             header.tokens = []
             handoff = None
             for ids, ev in transport.segment(name, rid, suffix, header.header_json()):
+                if ev.get("kind") == "tick":  # no response yet: a chance to notice cancellation
+                    if finish is None and cancelled():
+                        finish = FinishReason.CANCELLED.value
+                        transport.release(name, rid)
+                        released.add(current)
+                        break
+                    continue
                 if handoff_at is not None:
                     r.handoff_gaps_s.append(time.perf_counter() - handoff_at)
                     handoff_at = None

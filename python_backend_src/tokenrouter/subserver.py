@@ -8,8 +8,9 @@ appended and run as an extend.  It is released (KV freed) when it ends, fails
 or is cancelled.
 
 *Delayed batching* (paper §Design): a step starts only when at least ``B``
-requests are ready, or when the oldest ready request has waited
-``max_wait_s`` (so a lone request never starves).
+requests are ready, or when every request the model holds is ready (none is
+pending at a peer, so none can come back), or when the oldest ready request
+has waited ``max_wait_s`` (so a lone request never starves).
 
 The subserver talks to the outside world through *sinks*: a callable per
 segment (one visit of a request to this model) receiving
@@ -167,7 +168,7 @@ class Subserver:
         handoffs_out, finished, cancelled, errors and the step-time breakdown
         in seconds: step_time_s = forward_s (model forward incl. batch
         preparation) + route_s (sampling, entropy, route/send decisions) +
-        send_s (streaming responses through Triton).
+        send_s (streaming responses to the router).
         """
         def snap():
             active = len(self.requests)
@@ -259,15 +260,20 @@ class Subserver:
             return 0.0005  # poll the turn ring
         if not self.ready:
             return None
-        if len(self.ready) >= self.config.delayed_batch_size:
+        if self._enough_ready():
             return 0.0
         oldest = next(iter(self.ready.values())).ready_since
         return max(0.0, self.config.max_wait_s - (time.perf_counter() - oldest))
 
+    def _enough_ready(self) -> bool:
+        # B_i ready, or every request this model holds is ready: none is pending at a
+        # peer, so only a brand-new request could still join (the max_wait_s bound covers that)
+        return len(self.ready) >= min(self.config.delayed_batch_size, len(self.requests))
+
     def _should_step(self) -> bool:
         if not self.ready:
             return False
-        if len(self.ready) >= self.config.delayed_batch_size:
+        if self._enough_ready():
             return True
         oldest = next(iter(self.ready.values())).ready_since
         return time.perf_counter() - oldest >= self.config.max_wait_s

@@ -1,10 +1,15 @@
 """Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
 
-Wire protocol (the router's BLS calls; clients normally talk to ``token_router``):
+The router reaches the model over the ZeroMQ inter-model channel
+(:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``, default a
+fresh ``ipc://`` path, which op ``endpoint`` reports).  The same operations are
+also served as Triton requests (the ``bls`` transport, admin tools, tests).
+
+Triton wire protocol (clients normally talk to ``token_router``):
 
 Inputs
     ``request_id`` BYTES [1]   request id
-    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats`` or ``configure``
+    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint`` or ``configure``
                                (``peer_req`` then holds scheduling settings to change
                                at run time, e.g. {"delayed_batch_size": B}: see _configure)
     ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
@@ -17,7 +22,7 @@ Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
 Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
 ``kv_pool_tokens``, ``max_running_requests``, ``context_length``,
 ``torch_threads``, ``load_format``, ``random_seed``, ``delayed_batch_size``,
-``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``
+``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``, ``peer_endpoint``
 (std-serving baseline), ``lockstep_group`` (lock-step baseline: comma-separated
 models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}``
 is replaced by the model name), ``capture_hidden`` (return the last hidden
@@ -41,6 +46,7 @@ import triton_python_backend_utils as pb_utils
 
 from .engine import EngineConfig, SGLangEngine
 from .lockstep import TurnRing, default_ring_path
+from .peer_channel import PeerServer
 from .protocol import PeerReq
 from .subserver import FINAL_KINDS, Subserver, SubserverConfig
 from .triton_common import llm_settings, model_parameters, param
@@ -98,6 +104,9 @@ class TritonPythonModel:
         self._last_metrics = 0.0
         self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._event_log,
                                    on_idle=self._refresh_metrics_idle)
+        self.peer_server = PeerServer(self.subserver, param(p, "peer_endpoint", "") or None,
+                                      configure_fn=self._configure)
+        logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
 
     # --------------------------------------------------------------- metrics
     def _init_metrics(self) -> None:
@@ -168,7 +177,7 @@ class TritonPythonModel:
             try:
                 rid = _str_input(request, "request_id")
                 op = _str_input(request, "op", "run") or "run"
-                if not rid and op != "stats":
+                if not rid and op not in ("stats", "endpoint", "configure"):
                     raise ValueError("request_id is required")
                 if op == "release":
                     self.subserver.release(rid)
@@ -178,6 +187,9 @@ class TritonPythonModel:
                     sender.send(self._response([], {"kind": "configured"}), flags=_FINAL)
                 elif op == "stats":
                     sender.send(self._response([], {"kind": "stats", **self.subserver.stats()}), flags=_FINAL)
+                elif op == "endpoint":
+                    sender.send(self._response([], {"kind": "endpoint", "endpoint": self.peer_server.endpoint}),
+                                flags=_FINAL)
                 elif op == "run":
                     ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
                     ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).astype(np.int64).tolist()
@@ -186,7 +198,7 @@ class TritonPythonModel:
                         pr.rid = rid
                     self.subserver.submit(pr, self._make_sink(sender))
                 else:
-                    raise ValueError(f"unknown op {op!r}; expected run, release, stats or configure")
+                    raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure or endpoint")
             except Exception as e:  # noqa: BLE001 - answer this request only
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
         return None
@@ -209,4 +221,5 @@ class TritonPythonModel:
         return sink
 
     def finalize(self) -> None:
+        self.peer_server.close()
         self.subserver.stop()

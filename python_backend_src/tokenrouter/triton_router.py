@@ -33,13 +33,24 @@ Outputs
 
 Config parameters: ``models`` (comma-separated, deployment order; model 0 is
 the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
-``max_concurrent_requests``, ``default_max_tokens``, ``context_length``.
+``max_concurrent_requests``, ``default_max_tokens``, ``context_length``,
+``inter_model_transport`` (``zmq``, default: the ZeroMQ channel of
+:mod:`tokenrouter.peer_channel`, each model's endpoint asked once over BLS;
+``bls``: every visit of a request to a model is a decoupled BLS call — known
+to crash the Triton 2.51 Python stub under sustained concurrent load),
+``peer_timeout_s`` (a model silent this long fails the request; 0 = never).
+
+Threads (paper §Design, three decoupled loops): ``execute`` parses and queues;
+one worker per request runs the inter-model loop (:func:`router_core.drive`);
+one *client I/O* thread sends every response and checks cancellation, so no
+two threads call into the Python backend's response API at once.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 import uuid
@@ -52,6 +63,7 @@ import triton_python_backend_utils as pb_utils
 
 from .algorithms import get_algorithm
 from .detok import IncrementalDetokenizer
+from .peer_channel import PeerClient
 from .protocol import FinishReason
 from .router_core import drive, encode_prompt, make_header, stop_token_ids
 from .sampling import SamplingParams, parse_sampling_parameters
@@ -102,11 +114,11 @@ class _Job:
     exclude_input: bool
     want_trace: bool
     params: Dict[str, Any]
-    next_cancel_check: float = 0.0
+    cancelled: bool = False
 
 
-#: seconds between two cancellation checks of one request: each check is an IPC
-#: round trip to the server, made from a router worker thread
+#: seconds between two cancellation sweeps of the client I/O loop (each check
+#: of a request is an IPC round trip to the server)
 CANCEL_CHECK_INTERVAL_S = 0.05
 
 
@@ -135,6 +147,20 @@ class TritonPythonModel:
         self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
                                        thread_name_prefix="router")
         self._closing = threading.Event()
+        self.transport = param(p, "inter_model_transport", "zmq")
+        if self.transport == "zmq":
+            self.peers = PeerClient(self._discover_endpoint,
+                                    stall_timeout_s=param(p, "peer_timeout_s", 600.0, float))
+        elif self.transport == "bls":
+            self.peers = self
+        else:
+            raise ValueError(f"config parameter inter_model_transport must be 'zmq' or 'bls', got {self.transport!r}")
+        # the client I/O loop: the only thread that sends responses and checks cancellation
+        self._out: "queue.Queue[tuple]" = queue.Queue()
+        self._active: Dict[str, _Job] = {}
+        self._active_lock = threading.Lock()
+        self._io = threading.Thread(target=self._client_io, name="router-client-io", daemon=True)
+        self._io.start()
 
     # ------------------------------------------------------------ validation
     def _parse(self, request) -> _Job:
@@ -180,14 +206,14 @@ class TritonPythonModel:
             try:
                 job = self._parse(request)
             except ClientError as e:
-                request.get_response_sender().send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
+                self._out.put((request.get_response_sender(), "error", str(e)))
                 continue
             except Exception as e:  # noqa: BLE001
                 logger.exception("router: bad request")
-                request.get_response_sender().send(
-                    pb_utils.InferenceResponse(error=pb_utils.TritonError(f"invalid request: {e}")), flags=_FINAL)
+                self._out.put((request.get_response_sender(), "error", f"invalid request: {e}"))
                 continue
+            with self._active_lock:
+                self._active[job.rid] = job
             self.pool.submit(self._run_guarded, job)
         return None
 
@@ -205,8 +231,20 @@ class TritonPythonModel:
         )
         return req.exec(decoupled=True)
 
+    def _discover_endpoint(self, model: str) -> str:
+        """The ZeroMQ endpoint of ``model``, asked once over BLS (op ``endpoint``)."""
+        for resp in self._bls(model, "", "endpoint", [], "{}"):
+            if resp.has_error():
+                raise RuntimeError(f"model {model}: {resp.error().message()}")
+            ev_t = pb_utils.get_output_tensor_by_name(resp, "event")
+            if ev_t is not None:
+                ev = json.loads(ev_t.as_numpy().reshape(-1)[0])
+                if ev.get("endpoint"):
+                    return str(ev["endpoint"])
+        raise RuntimeError(f"model {model} has no inter-model endpoint (is it a tokenrouter LLM model?)")
+
     def segment(self, model: str, rid: str, tokens: List[int], header: str):
-        """Transport for :func:`tokenrouter.router_core.drive`: one visit of ``rid`` to ``model`` over BLS."""
+        """BLS transport (``inter_model_transport: bls``): one visit of ``rid`` to ``model``."""
         for resp in self._bls(model, rid, "run", tokens, header):
             if resp.has_error():
                 raise RuntimeError(f"model {model}: {resp.error().message()}")
@@ -216,7 +254,7 @@ class TritonPythonModel:
                    {} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0]))
 
     def release(self, model: str, rid: str) -> None:
-        """Transport for :func:`tokenrouter.router_core.drive`: free ``rid`` on ``model``."""
+        """BLS transport: free ``rid`` on ``model``."""
         self._release(model, rid)
 
     def _release(self, model: str, rid: str) -> None:
@@ -227,17 +265,40 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001
             logger.exception("release of %s on %s failed", rid, model)
 
-    @staticmethod
-    def _cancelled(job: _Job) -> bool:
-        """Whether the client cancelled ``job`` (checked at most every CANCEL_CHECK_INTERVAL_S)."""
-        now = time.monotonic()
-        if now < job.next_cancel_check:
-            return False
-        job.next_cancel_check = now + CANCEL_CHECK_INTERVAL_S
-        try:
-            return bool(job.request.is_cancelled())
-        except Exception:  # noqa: BLE001
-            return False
+    # -------------------------------------------------------- client I/O loop
+    def _client_io(self) -> None:
+        """Send queued responses in order and sweep cancellation (one thread for all requests)."""
+        next_sweep = 0.0
+        while not self._closing.is_set():
+            try:
+                sender, kind, payload = self._out.get(timeout=CANCEL_CHECK_INTERVAL_S)
+            except queue.Empty:
+                sender = None
+            if sender is not None:
+                try:
+                    if kind == "chunk":
+                        sender.send(self._chunk(payload))
+                    elif kind == "final":
+                        sender.send(pb_utils.InferenceResponse(output_tensors=[
+                            pb_utils.Tensor(k, v) for k, v in payload.items()]), flags=_FINAL)
+                    else:
+                        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(payload)), flags=_FINAL)
+                except Exception:  # noqa: BLE001 - e.g. the client has gone
+                    logger.debug("router: response not delivered", exc_info=True)
+            now = time.monotonic()
+            if now >= next_sweep:
+                next_sweep = now + CANCEL_CHECK_INTERVAL_S
+                with self._active_lock:
+                    jobs = list(self._active.values())
+                for job in jobs:
+                    if not job.cancelled:
+                        try:
+                            job.cancelled = bool(job.request.is_cancelled())
+                        except Exception:  # noqa: BLE001
+                            pass
+
+    def _send(self, job: _Job, kind: str, payload: Any) -> None:
+        self._out.put((job.sender, kind, payload))
 
     # --------------------------------------------------------------- request
     def _run_guarded(self, job: _Job) -> None:
@@ -245,24 +306,20 @@ class TritonPythonModel:
             self._run(job)
         except Exception as e:  # noqa: BLE001 - error to this client only
             logger.exception("router: request %s failed", job.rid)
-            try:
-                job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
-            except Exception:  # noqa: BLE001
-                pass
+            self._send(job, "error", str(e))
+        finally:
+            with self._active_lock:
+                self._active.pop(job.rid, None)
 
     def _run(self, job: _Job) -> None:
         detok = IncrementalDetokenizer(self.tokenizer, job.sp.stop)
         header = make_header(job.rid, job.sp, self.algorithm, job.params, self.models, self.stop_token_ids)
         first = self.algo_cls.first_model(job.params, rid=job.rid, sampling=header.sampling)
-        r = drive(self, header, job.prompt_ids, first, detok,
-                  on_delta=(lambda d: job.sender.send(self._chunk(d))) if job.stream else None,
-                  cancelled=lambda: self._cancelled(job))
+        r = drive(self.peers, header, job.prompt_ids, first, detok,
+                  on_delta=(lambda d: self._send(job, "chunk", d)) if job.stream else None,
+                  cancelled=lambda: job.cancelled)
         if r.finish == FinishReason.CANCELLED.value:
-            try:
-                job.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled")),
-                                flags=_FINAL)
-            except Exception:  # noqa: BLE001
-                pass
+            self._send(job, "error", "request cancelled")
             return
         tail = detok.flush()
         summary = {"algorithm": self.algorithm, "params": job.params,
@@ -275,18 +332,18 @@ class TritonPythonModel:
             text = detok.text
             if not job.exclude_input:
                 text = job.prompt + text
-        tensors = [
-            pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("finish_reason", np.asarray([r.finish.encode()], dtype=np.object_)),
-            pb_utils.Tensor("num_input_tokens", np.asarray([r.n_prompt], dtype=np.int32)),
-            pb_utils.Tensor("num_output_tokens", np.asarray([len(r.output_ids)], dtype=np.int32)),
-            pb_utils.Tensor("routing_summary", np.asarray([json.dumps(summary).encode()], dtype=np.object_)),
-        ]
+        outputs = {
+            "text_output": np.asarray([text.encode("utf-8")], dtype=np.object_),
+            "finish_reason": np.asarray([r.finish.encode()], dtype=np.object_),
+            "num_input_tokens": np.asarray([r.n_prompt], dtype=np.int32),
+            "num_output_tokens": np.asarray([len(r.output_ids)], dtype=np.int32),
+            "routing_summary": np.asarray([json.dumps(summary).encode()], dtype=np.object_),
+        }
         if job.want_trace:
             tr = json.dumps({"models": self.models, "trace": r.trace, "token_ids": r.output_ids,
                              "scores": r.scores, "handoffs": r.handoff_log})
-            tensors.append(pb_utils.Tensor("routing_trace", np.asarray([tr.encode()], dtype=np.object_)))
-        job.sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=_FINAL)
+            outputs["routing_trace"] = np.asarray([tr.encode()], dtype=np.object_)
+        self._send(job, "final", outputs)
 
     @staticmethod
     def _chunk(text: str):
@@ -296,3 +353,5 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.peers is not self:
+            self.peers.close()

@@ -1,0 +1,228 @@
+"""Sustained-load robustness check of a running TokenRouter server (a soak test).
+
+N client threads send requests back to back for a fixed time: gRPC streams and
+non-streamed requests, routing thresholds drawn per request so that handoffs
+are frequent, random output lengths, a fraction of streams cancelled by the
+client mid-way and a fraction of malformed requests.  It then checks that
+
+* every request ended (text, a clean error for bad input, or cancelled) within
+  ``request_timeout_s`` — none hung;
+* no valid request failed;
+* the server is live and still answers, and every model's KV usage and active
+  requests return to zero (``stats`` op).
+
+Usage (server already running, e.g. ``deploy/serve --background``)::
+
+    python -m tokenrouter.soak --url localhost:8001 --seconds 300 --concurrency 8
+
+Exit status 0 when every check passed, 1 otherwise (the report says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import random
+import threading
+import time
+from collections import Counter
+from typing import Any, Dict, List, Sequence
+
+__all__ = ["run_soak", "main"]
+
+PROMPTS = [
+    "Explain why the sky is blue.", "Write a short poem about the sea.", "List three uses of copper.",
+    "What is a hash table?", "Describe a cat to someone who has never seen one.",
+    "Give two tips for learning a language.", "Summarise the plot of Romeo and Juliet.",
+    "How do vaccines work?", "Name the planets of the solar system.", "Why do leaves change colour?",
+]
+
+
+def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s: float,
+         thresholds: Sequence[float]) -> Dict[str, Any]:
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+
+    prompt = rng.choice(PROMPTS)
+    sampling: Dict[str, Any] = {"max_tokens": rng.randint(4, 48), "temperature": rng.choice([0.0, 0.8]),
+                                "seed": rng.randint(0, 2**31), "ignore_eos": rng.random() < 0.5}
+    if thresholds:
+        sampling["routing_threshold"] = rng.choice(list(thresholds))
+    stream = kind != "plain"
+    text = prompt.encode()
+    if kind == "bad":
+        sampling = rng.choice([{"max_tokens": 0}, {"max_tokens": 4, "nonsense": 1}, {"temperature": -1}])
+        if rng.random() < 0.3:
+            text = b"\xff\xfe"
+    ins = []
+    for name, arr, dt in (("text_input", np.array([text], dtype=np.object_), "BYTES"),
+                          ("stream", np.array([stream]), "BOOL"),
+                          ("apply_chat_template", np.array([True]), "BOOL"),
+                          ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
+                           "BYTES")):
+        x = grpcclient.InferInput(name, list(arr.shape), dt)
+        x.set_data_from_numpy(arr)
+        ins.append(x)
+    cancel_after = rng.randint(1, 6) if kind == "cancel" else None
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(url)
+    t0 = time.perf_counter()
+    out: Dict[str, Any] = {"kind": kind, "outcome": "", "handoffs": 0, "tokens": 0, "error": ""}
+    try:
+        c.start_stream(callback=lambda result, error: q.put((result, error)))
+        c.async_stream_infer(model, ins, enable_empty_final_response=True)
+        chunks = 0
+        while True:
+            try:
+                result, error = q.get(timeout=max(0.1, t0 + request_timeout_s - time.perf_counter()))
+            except queue.Empty:
+                out["outcome"] = "hung"
+                return out
+            if error is not None:
+                out["outcome"], out["error"] = "error", str(error)
+                return out
+            chunks += 1
+            if cancel_after is not None and chunks >= cancel_after:
+                c.stop_stream(cancel_requests=True)
+                out["outcome"] = "cancelled"
+                return out
+            p = result.get_response().parameters.get("triton_final_response")
+            if p is not None and p.bool_param:
+                s = result.as_numpy("routing_summary")
+                if s is not None and s.size:
+                    summ = json.loads(s.reshape(-1)[0])
+                    out["handoffs"] = int(summ.get("handoffs", 0))
+                    n = result.as_numpy("num_output_tokens")
+                    out["tokens"] = int(n.reshape(-1)[0]) if n is not None and n.size else 0
+                    out["outcome"] = "ok"
+                else:
+                    out["outcome"] = "ok-no-summary" if kind == "cancel" else "bad-final"
+                return out
+    except Exception as e:  # noqa: BLE001
+        out["outcome"], out["error"] = "client-error", str(e)
+        return out
+    finally:
+        out["e2e_s"] = time.perf_counter() - t0
+        try:
+            c.stop_stream()
+            c.close()
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str] = ("slm", "llm"),
+             router: str = "token_router", cancel_fraction: float = 0.15, bad_fraction: float = 0.05,
+             plain_fraction: float = 0.2, thresholds: Sequence[float] = (0.1, 0.2, 0.3),
+             request_timeout_s: float = 300.0, seed: int = 0, progress: bool = False) -> Dict[str, Any]:
+    """Run the soak and return the report (see module docstring).
+
+    Args:
+        url: gRPC address ``host:port`` of the server.
+        seconds: how long clients keep sending new requests (s).
+        concurrency: client threads, each with one request in flight.
+        models: LLM models whose KV must return to zero.
+        cancel_fraction, bad_fraction, plain_fraction: shares of cancelled
+            streams, malformed requests and non-streamed requests.
+        thresholds: routing thresholds drawn per request (``routing_threshold``);
+            empty to use the server's.
+        request_timeout_s: a request without a final answer after this long is "hung".
+
+    Returns:
+        dict: ``passed`` (bool), ``problems`` (list of str), ``outcomes`` per
+        kind, ``requests``, ``handoffs``, ``output_tokens``, ``seconds``,
+        ``final_stats`` per model.
+    """
+    from . import admin
+
+    stop_at = time.monotonic() + seconds
+    records: List[Dict[str, Any]] = []
+    lock = threading.Lock()
+
+    def client(i: int) -> None:
+        rng = random.Random(seed * 1000 + i)
+        while time.monotonic() < stop_at:
+            x = rng.random()
+            kind = ("bad" if x < bad_fraction else "cancel" if x < bad_fraction + cancel_fraction
+                    else "plain" if x < bad_fraction + cancel_fraction + plain_fraction else "stream")
+            r = _one(url, router, rng, kind, request_timeout_s, thresholds)
+            with lock:
+                records.append(r)
+                n = len(records)
+            if progress and n % 20 == 0:
+                print(f"  {n} requests, {max(0, stop_at - time.monotonic()):.0f} s left", flush=True)
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(seconds + request_timeout_s + 60)
+    wall = time.monotonic() - t0
+    problems: List[str] = []
+    if any(t.is_alive() for t in threads):
+        problems.append("a client thread did not finish")
+    outcomes: Dict[str, Counter] = {}
+    for r in records:
+        outcomes.setdefault(r["kind"], Counter())[r["outcome"]] += 1
+        if r["outcome"] == "hung":
+            problems.append(f"a {r['kind']} request hung for {request_timeout_s:.0f} s")
+        elif r["kind"] == "bad" and r["outcome"] != "error":
+            problems.append(f"a malformed request was not rejected: {r}")
+        elif r["kind"] in ("stream", "plain") and r["outcome"] != "ok":
+            problems.append(f"a valid {r['kind']} request failed: {r['outcome']} {r['error'][:200]}")
+        elif r["kind"] == "cancel" and r["outcome"] not in ("cancelled", "ok", "ok-no-summary"):
+            problems.append(f"a cancelled stream ended badly: {r['outcome']} {r['error'][:200]}")
+    final: Dict[str, Any] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            final = {m: admin.model_stats(url, m) for m in models}
+            if all(s["kv_tokens_in_use"] == 0 and s["active"] == 0 for s in final.values()) \
+                    or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        for m, s in final.items():
+            if s["kv_tokens_in_use"] or s["active"]:
+                problems.append(f"model {m} still holds KV after the soak: {s['kv_tokens_in_use']} tokens, "
+                                f"{s['active']} requests")
+        probe = _one(url, router, random.Random(seed), "stream", request_timeout_s, ())
+        if probe["outcome"] != "ok":
+            problems.append(f"the server no longer answers: {probe}")
+    except Exception as e:  # noqa: BLE001
+        problems.append(f"server unreachable after the soak: {e}")
+    return {"passed": not problems, "problems": problems[:50],
+            "outcomes": {k: dict(v) for k, v in outcomes.items()}, "requests": len(records),
+            "handoffs": sum(r["handoffs"] for r in records),
+            "output_tokens": sum(r["tokens"] for r in records), "seconds": round(wall, 1),
+            "final_stats": {m: {k: s.get(k) for k in ("kv_tokens_in_use", "active", "handoffs_out", "errors")}
+                            for m, s in final.items()}}
+
+
+def main(argv=None) -> int:
+    """Command line entry point (see module docstring)."""
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--url", default="localhost:8001", help="gRPC address of the server")
+    ap.add_argument("--seconds", type=float, default=300, help="time during which new requests are sent")
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--models", default="slm,llm", help="LLM models whose KV must return to zero")
+    ap.add_argument("--router", default="token_router")
+    ap.add_argument("--cancel-fraction", type=float, default=0.15)
+    ap.add_argument("--bad-fraction", type=float, default=0.05)
+    ap.add_argument("--thresholds", default="0.1,0.2,0.3",
+                    help="routing thresholds drawn per request ('' = the server's)")
+    ap.add_argument("--request-timeout", type=float, default=300, help="seconds before a request counts as hung")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    rep = run_soak(a.url, a.seconds, a.concurrency, models=[m for m in a.models.split(",") if m],
+                   router=a.router, cancel_fraction=a.cancel_fraction, bad_fraction=a.bad_fraction,
+                   thresholds=[float(x) for x in a.thresholds.split(",") if x.strip()],
+                   request_timeout_s=a.request_timeout, seed=a.seed, progress=True)
+    print(json.dumps(rep, indent=2))
+    print("soak: PASSED" if rep["passed"] else "soak: FAILED")
+    return 0 if rep["passed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
