@@ -265,6 +265,22 @@ def markdown(results: Dict[str, Any]) -> str:
             cells = [_fmt(r["throughput_tok_s"] / base[(*k, b)]) + "×" if base.get((*k, b)) else "–"
                      for b in present]
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " |")
+    diag = [r for r in rows if r.get("model_stats")]
+    if diag:
+        lines += ["", "Diagnostics from the models' counters: busy = seconds in steps, batch = requests per "
+                  "step; overlap bound = (busy slm + busy llm) / max(busy), the most that stepping at "
+                  "its own pace can gain over lock-step with this routing mix:", "",
+                  "| pair | mode | N | max tokens | " + " | ".join(f"busy {m} s | batch {m}" for m in MODELS)
+                  + " | overlap bound |", "|---|---|---|---|" + "---|---|" * len(MODELS) + "---|"]
+        for r in diag:
+            ms = r["model_stats"]
+            busy = [ms[m]["step_time_s"] for m in MODELS]
+            batch = [(ms[m]["decode_tokens"] + ms[m]["extend_runs"]) / ms[m]["steps"] if ms[m]["steps"] else
+                     float("nan") for m in MODELS]
+            bound = sum(busy) / max(busy) if max(busy) > 0 else float("nan")
+            lines.append(f"| {r['pair']} | {r['mode']} | {r['N']} | {r['max_tokens']} | "
+                         + " | ".join(f"{_fmt(b)} | {_fmt(x)}" for b, x in zip(busy, batch))
+                         + f" | {_fmt(bound)}× |")
     return "\n".join(lines)
 
 

@@ -168,6 +168,11 @@ BAD_SAMPLING = [
     ('{"top_p": 0}', "top_p"),
     ('{"routing_threshold": 7}', "tau"),
     ('{"seed": 18446744073709551616}', "seed"),
+    ('{"temperature": NaN}', "finite"),
+    ('{"temperature": Infinity}', "finite"),
+    ('{"temperature": 1e309}', "finite"),
+    ('{"top_p": NaN}', "finite"),
+    ('{"routing_threshold": NaN}', "finite"),
 ]
 
 

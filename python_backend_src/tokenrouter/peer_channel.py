@@ -72,6 +72,25 @@ def _tokens_list(frame: bytes) -> List[int]:
     return np.frombuffer(frame, dtype="<i8").tolist() if frame else []
 
 
+def _recv_loop(sock, stop: threading.Event, handle: Callable[[List[bytes]], None], what: str) -> None:
+    """Receive multipart messages on ``sock`` until ``stop`` is set; ``handle`` each (errors logged)."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    while not stop.is_set():
+        if not poller.poll(100):
+            continue
+        try:
+            frames = sock.recv_multipart()
+        except zmq.ZMQError:
+            if stop.is_set():
+                return
+            raise
+        try:
+            handle(frames)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the channel
+            logger.exception("%s: bad message dropped", what)
+
+
 def _unlink_ipc(endpoint: str) -> None:
     if endpoint.startswith("ipc://"):
         try:
@@ -133,21 +152,7 @@ class PeerServer:
 
     # ------------------------------------------------------------- I/O loop
     def _loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            try:
-                frames = self._pull.recv_multipart()
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
-            try:
-                self._handle(frames)
-            except Exception:  # noqa: BLE001 - a bad command must not stop the channel
-                logger.exception("peer channel of %s: bad command", self.subserver.name)
+        _recv_loop(self._pull, self._stop, self._handle, f"peer channel of {self.subserver.name}")
 
     def _handle(self, frames: List[bytes]) -> None:
         from .protocol import PeerReq
@@ -219,26 +224,15 @@ class PeerClient:
 
     # ------------------------------------------------------------ internals
     def _demux(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._pull, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(100):
-                continue
-            try:
-                frames = self._pull.recv_multipart()
-                meta = json.loads(frames[0])
-                toks = _tokens_list(frames[1] if len(frames) > 1 else b"")
-            except zmq.ZMQError:
-                if self._stop.is_set():
-                    return
-                raise
-            except Exception:  # noqa: BLE001
-                logger.exception("peer channel: unreadable response dropped")
-                continue
-            with self._segs_lock:
-                q = self._segs.get(int(meta.pop("seg", 0)))
-            if q is not None:
-                q.put((toks, meta))
+        _recv_loop(self._pull, self._stop, self._dispatch, "peer channel (router)")
+
+    def _dispatch(self, frames: List[bytes]) -> None:
+        meta = json.loads(frames[0])
+        toks = _tokens_list(frames[1] if len(frames) > 1 else b"")
+        with self._segs_lock:
+            q = self._segs.get(int(meta.pop("seg", 0)))
+        if q is not None:  # else: a response of a segment already closed
+            q.put((toks, meta))
 
     def _socket(self, model: str):
         with self._cmd_lock:

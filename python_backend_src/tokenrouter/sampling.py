@@ -64,7 +64,8 @@ def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16)
 
     Raises:
         ValueError: not JSON, not an object, unknown keys, or a value of the
-            wrong type or out of range (the message names the key).
+            wrong type, not finite (NaN, ±Infinity) or out of range (the message
+            names the key).
     """
     p = SamplingParams(max_tokens=default_max_tokens)
     if text is None or not text.strip():
@@ -84,6 +85,8 @@ def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16)
         v = d[key]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
             raise ValueError(f"sampling_parameters.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
+        if not math.isfinite(v):
+            raise ValueError(f"sampling_parameters.{key} must be a finite number, got {v!r}")
         v = kind(v)
         if lo is not None and (v <= lo if lo_open else v < lo):
             raise ValueError(f"sampling_parameters.{key} must be {'>' if lo_open else '>='} {lo}, got {v}")

@@ -54,6 +54,8 @@ from .triton_common import llm_settings, model_parameters, param
 logger = logging.getLogger(__name__)
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+#: seconds between two publications of the custom metrics
+METRICS_INTERVAL_S = 0.1
 
 
 def _str_input(request, name: str, default: str = "") -> str:
@@ -101,12 +103,16 @@ class TritonPythonModel:
         event_log = param(p, "event_log", "")
         self._event_log = _EventLog(event_log.replace("{model}", self.name)) if event_log else None
         self._init_metrics()
-        self._last_metrics = 0.0
+        self._metrics_snapshot = None
+        self._metrics_dirty = threading.Event()
+        self._closing = threading.Event()
         self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._event_log,
                                    on_idle=self._refresh_metrics_idle)
         self.peer_server = PeerServer(self.subserver, param(p, "peer_endpoint", "") or None,
                                       configure_fn=self._configure)
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
+        self._metrics_thread = threading.Thread(target=self._metrics_loop, name=f"metrics-{self.name}", daemon=True)
+        self._metrics_thread.start()
 
     # --------------------------------------------------------------- metrics
     def _init_metrics(self) -> None:
@@ -132,16 +138,29 @@ class TritonPythonModel:
             m.set(float(snap[key]))
 
     def _refresh_metrics_idle(self) -> None:
-        # called on the loop thread when nothing is ready: cheap, throttled
-        now = time.monotonic()
-        if now - self._last_metrics < 0.05:
-            return
-        self._last_metrics = now
+        # on the loop thread whenever nothing is ready: snapshot the counters (cheap);
+        # the metrics thread publishes the newest snapshot (an IPC per metric)
         s = self.subserver
-        self._refresh_metrics({
+        self._metrics_snapshot = {
             "kv_tokens_in_use": self.engine.kv_tokens_in_use(), "kv_rows_in_use": self.engine.rows_in_use(),
             "active": len(s.requests), "extend_tokens": s.counters["extend_tokens"],
-            "decode_tokens": s.counters["decode_tokens"], "handoffs_out": s.counters["handoffs_out"]})
+            "decode_tokens": s.counters["decode_tokens"], "handoffs_out": s.counters["handoffs_out"]}
+        self._metrics_dirty.set()
+
+    def _metrics_loop(self) -> None:
+        """Publish the newest snapshot, at most every METRICS_INTERVAL_S; the last one is always published."""
+        published = None
+        while not self._closing.is_set():
+            self._metrics_dirty.wait()
+            self._metrics_dirty.clear()
+            snap = self._metrics_snapshot
+            if snap is not None and snap != published:
+                try:
+                    self._refresh_metrics(snap)
+                    published = snap
+                except Exception:  # noqa: BLE001 - metrics must never stop serving
+                    logger.debug("metrics update failed", exc_info=True)
+            time.sleep(METRICS_INTERVAL_S)
 
     def _configure(self, cfg: Dict[str, Any]) -> None:
         """Apply a ``configure`` op: the same keys as the config parameters
@@ -221,5 +240,7 @@ class TritonPythonModel:
         return sink
 
     def finalize(self) -> None:
+        self._closing.set()
+        self._metrics_dirty.set()
         self.peer_server.close()
         self.subserver.stop()

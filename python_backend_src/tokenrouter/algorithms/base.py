@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import struct
 from typing import Any, Callable, Dict, List, Optional
 
@@ -81,6 +82,8 @@ class ParamSpec:
             raise ValueError(f"routing parameter {name!r} must be {self.kind.__name__}, got {value!r}") from None
         if isinstance(value, bool) or (self.kind is int and float(value) != v):
             raise ValueError(f"routing parameter {name!r} must be {self.kind.__name__}, got {value!r}")
+        if self.kind is float and not math.isfinite(v):
+            raise ValueError(f"routing parameter {name!r} must be a finite number, got {value!r}")
         if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
             raise ValueError(f"routing parameter {name!r}={v} outside [{self.lo}, {self.hi}]")
         return v
