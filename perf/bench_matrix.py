@@ -134,7 +134,8 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                             run_load(url, prompts, N, L, args.requests_per_client)
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
                             bstar = b_star_from_events(lines, N, work)
-                        B = bstar["B_star"]
+                        B = dict(bstar["B_star"])
+                        B.update(args.batch_override)
                         wait_us = (int(1e6 * args.wait_factor * _lat(bstar["profile"], "slm"))
                                    if bstar["profile"] else 0)
                         for m in MODELS:
@@ -159,7 +160,8 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                                                "handoffs_out", "step_time_s", "forward_s", "route_s", "send_s")}
                                           for m in MODELS}
                     if mode == "tokenrouter":
-                        row["B_star"] = bstar["B_star"]
+                        row["B_star"] = B
+                        row["B_dtmc"] = bstar["B_star"]
                         row["wait_us"] = wait_us
                         row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
                     results["rows"].append(row)
@@ -333,10 +335,19 @@ def main(argv=None) -> int:
     ap.add_argument("--requests-per-client", type=int, default=None)
     ap.add_argument("--wait-factor", type=float, default=1.0,
                     help="delayed-batching wait bound in SLM step times (default 1)")
+    ap.add_argument("--batch-override", default="",
+                    help="use these B_i instead of the DTMC's B* in tokenrouter mode, e.g. slm=3 "
+                         "(exploration; the table marks the B used)")
     ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
     a.pairs = [p for p in a.pairs.split(",") if p]
+    try:
+        a.batch_override = {k.strip(): int(v) for k, v in (x.split("=") for x in a.batch_override.split(",") if x)}
+    except ValueError:
+        ap.error("--batch-override takes model=B pairs, e.g. slm=3,llm=6")
+    if set(a.batch_override) - set(MODELS) or any(v < 1 for v in a.batch_override.values()):
+        ap.error(f"--batch-override: models are {MODELS}, B >= 1")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = set(a.modes) - set(ALL_MODES)
     if bad:
@@ -345,7 +356,7 @@ def main(argv=None) -> int:
     a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,48")).split(",")]
     a.requests_per_client = a.requests_per_client or (3 if a.full else 1)
     os.makedirs(a.out, exist_ok=True)
-    settings = {"pairs": a.pairs, "modes": a.modes, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+    settings = {"pairs": a.pairs, "modes": a.modes, "batch_override": a.batch_override, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "requests_per_client": a.requests_per_client, "full": a.full,
                 "note": "" if a.full else ("scaled for a 2-core CPU: output lengths 16/48 stand for 128/512, "
                                            "N = 16 and repeated requests left to --full")}

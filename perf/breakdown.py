@@ -10,7 +10,7 @@ measured through Triton on one server, modes switched at run time:
 * handoff (per handoff, from the router): the gap from a handoff event to the
   peer's first response, split into the peer's forward time for the resume
   step (mean forward of steps that resume requests, no prompt prefill) and the rest: the inter-model
-  round trip and queueing — over ZeroMQ (default) and, for comparison, with one BLS call per visit.
+  round trip (ZeroMQ) and queueing.
 
     source deploy/env.sh && python perf/breakdown.py [--pair demo] [--max-tokens 64]
 """
@@ -80,17 +80,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("breakdown-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
     os.makedirs(a.out, exist_ok=True)
-    # a second router on the same models, reaching them with a BLS call per visit instead of ZeroMQ
-    repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(a.out, "model_repository"), a.pair,
-                        routers={"token_router_bls": {"inter_model_transport": "bls"}})
+    repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(a.out, "model_repository"), a.pair)
     prompts = _prompts()
     rows = {}
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(a.out, "tritonserver.log")) as srv:
         url = srv.grpc_url
         stream_generate(url, prompts[0], {"max_tokens": 4})  # warm-up
-        stream_generate(url, prompts[0], {"max_tokens": 4}, model="token_router_bls")
         for mode, cfg, router in (("tokenrouter (pending resume)", {}, "token_router"),
-                                  ("tokenrouter, BLS transport", {}, "token_router_bls"),
                                   ("std-serving (re-prefill)", {"readmit_on_resume": True}, "token_router")):
             for m in MODELS:
                 admin.configure(url, m, **{**RESET, **cfg})

@@ -4,9 +4,8 @@ Paper §Design, "Three decoupled loops": the inter-model loop forwards a
 handing-off model's PeerReq, with the token suffix the peer has not seen, to
 that peer.  :func:`drive` runs one request through the models until it ends;
 the *transport* reaches the models — the ZeroMQ channel
-(:class:`tokenrouter.peer_channel.PeerClient`, used by ``token_router`` and by
-the no-Triton baseline :mod:`tokenrouter.direct`) or Triton BLS calls
-(``token_router`` with ``inter_model_transport: bls``).
+(:class:`tokenrouter.peer_channel.PeerClient`), used by ``token_router`` and by
+the no-Triton baseline :mod:`tokenrouter.direct`.
 
 A transport has two methods:
 

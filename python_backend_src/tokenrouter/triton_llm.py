@@ -3,7 +3,7 @@
 The router reaches the model over the ZeroMQ inter-model channel
 (:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``, default a
 fresh ``ipc://`` path, which op ``endpoint`` reports).  The same operations are
-also served as Triton requests (the ``bls`` transport, admin tools, tests).
+also served as Triton requests (admin tools, tests).
 
 Triton wire protocol (clients normally talk to ``token_router``):
 
@@ -244,3 +244,8 @@ class TritonPythonModel:
         self._metrics_dirty.set()
         self.peer_server.close()
         self.subserver.stop()
+        self._metrics_thread.join(timeout=2)
+        # free the metric families now, while the stub's shared memory is alive: left to the
+        # interpreter's final garbage collection, their destructors crash the stub on exit
+        self._metrics.clear()
+        self._families.clear()

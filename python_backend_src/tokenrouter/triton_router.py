@@ -34,16 +34,16 @@ Outputs
 Config parameters: ``models`` (comma-separated, deployment order; model 0 is
 the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 ``max_concurrent_requests``, ``default_max_tokens``, ``context_length``,
-``inter_model_transport`` (``zmq``, default: the ZeroMQ channel of
-:mod:`tokenrouter.peer_channel`, each model's endpoint asked once over BLS;
-``bls``: every visit of a request to a model is a decoupled BLS call — known
-to crash the Triton 2.51 Python stub under sustained concurrent load),
 ``peer_timeout_s`` (a model silent this long fails the request; 0 = never).
+
+Models are reached over the ZeroMQ channel of :mod:`tokenrouter.peer_channel`;
+each model's endpoint is asked once with a BLS call (op ``endpoint``).
 
 Threads (paper §Design, three decoupled loops): ``execute`` parses and queues;
 one worker per request runs the inter-model loop (:func:`router_core.drive`);
-one *client I/O* thread sends every response and checks cancellation, so no
-two threads call into the Python backend's response API at once.
+one *client I/O* thread sends every response, checks cancellation and makes
+the endpoint BLS calls, so no two threads of this stub call into the Python
+backend at once (besides ``execute`` reading its requests).
 """
 
 from __future__ import annotations
@@ -147,14 +147,7 @@ class TritonPythonModel:
         self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
                                        thread_name_prefix="router")
         self._closing = threading.Event()
-        self.transport = param(p, "inter_model_transport", "zmq")
-        if self.transport == "zmq":
-            self.peers = PeerClient(self._discover_endpoint,
-                                    stall_timeout_s=param(p, "peer_timeout_s", 600.0, float))
-        elif self.transport == "bls":
-            self.peers = self
-        else:
-            raise ValueError(f"config parameter inter_model_transport must be 'zmq' or 'bls', got {self.transport!r}")
+        self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=param(p, "peer_timeout_s", 600.0, float))
         # the client I/O loop: the only thread that sends responses and checks cancellation
         self._out: "queue.Queue[tuple]" = queue.Queue()
         self._active: Dict[str, _Job] = {}
@@ -232,7 +225,21 @@ class TritonPythonModel:
         return req.exec(decoupled=True)
 
     def _discover_endpoint(self, model: str) -> str:
-        """The ZeroMQ endpoint of ``model``, asked once over BLS (op ``endpoint``)."""
+        """The ZeroMQ endpoint of ``model`` (called by the PeerClient once per model).
+
+        The BLS call runs on the client I/O thread, the only thread of this stub
+        that calls into the Python backend (concurrent calls from several threads
+        have corrupted the Triton 2.51 stub's heap).
+        """
+        done, box = threading.Event(), {}
+        self._out.put((None, "discover", (model, box, done)))
+        if not done.wait(120):
+            raise RuntimeError(f"model {model}: no answer to the endpoint query")
+        if "error" in box:
+            raise RuntimeError(box["error"])
+        return box["endpoint"]
+
+    def _bls_endpoint(self, model: str) -> str:
         for resp in self._bls(model, "", "endpoint", [], "{}"):
             if resp.has_error():
                 raise RuntimeError(f"model {model}: {resp.error().message()}")
@@ -243,28 +250,6 @@ class TritonPythonModel:
                     return str(ev["endpoint"])
         raise RuntimeError(f"model {model} has no inter-model endpoint (is it a tokenrouter LLM model?)")
 
-    def segment(self, model: str, rid: str, tokens: List[int], header: str):
-        """BLS transport (``inter_model_transport: bls``): one visit of ``rid`` to ``model``."""
-        for resp in self._bls(model, rid, "run", tokens, header):
-            if resp.has_error():
-                raise RuntimeError(f"model {model}: {resp.error().message()}")
-            ids_t = pb_utils.get_output_tensor_by_name(resp, "output_ids")
-            ev_t = pb_utils.get_output_tensor_by_name(resp, "event")
-            yield ([] if ids_t is None else ids_t.as_numpy().reshape(-1).tolist(),
-                   {} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0]))
-
-    def release(self, model: str, rid: str) -> None:
-        """BLS transport: free ``rid`` on ``model``."""
-        self._release(model, rid)
-
-    def _release(self, model: str, rid: str) -> None:
-        try:
-            for r in self._bls(model, rid, "release", [], "{}"):
-                if r.has_error():
-                    logger.warning("release of %s on %s: %s", rid, model, r.error().message())
-        except Exception:  # noqa: BLE001
-            logger.exception("release of %s on %s failed", rid, model)
-
     # -------------------------------------------------------- client I/O loop
     def _client_io(self) -> None:
         """Send queued responses in order and sweep cancellation (one thread for all requests)."""
@@ -273,8 +258,15 @@ class TritonPythonModel:
             try:
                 sender, kind, payload = self._out.get(timeout=CANCEL_CHECK_INTERVAL_S)
             except queue.Empty:
-                sender = None
-            if sender is not None:
+                sender, kind = None, None
+            if kind == "discover":
+                model, box, done = payload
+                try:
+                    box["endpoint"] = self._bls_endpoint(model)
+                except Exception as e:  # noqa: BLE001
+                    box["error"] = str(e)
+                done.set()
+            elif sender is not None:
                 try:
                     if kind == "chunk":
                         sender.send(self._chunk(payload))
@@ -353,5 +345,5 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self._closing.set()
         self.pool.shutdown(wait=False, cancel_futures=True)
-        if self.peers is not self:
-            self.peers.close()
+        self.peers.close()
+        self._io.join(timeout=2)
