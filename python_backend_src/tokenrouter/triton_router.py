@@ -210,20 +210,7 @@ class TritonPythonModel:
             self.pool.submit(self._run_guarded, job)
         return None
 
-    # ------------------------------------------------------------- BLS calls
-    def _bls(self, model: str, rid: str, op: str, tokens: List[int], header: str):
-        req = pb_utils.InferenceRequest(
-            model_name=model,
-            requested_output_names=["output_ids", "event"],
-            inputs=[
-                pb_utils.Tensor("request_id", np.asarray([[rid.encode()]], dtype=np.object_)),
-                pb_utils.Tensor("op", np.asarray([[op.encode()]], dtype=np.object_)),
-                pb_utils.Tensor("input_ids", np.asarray([tokens], dtype=np.int64).reshape(1, -1)),
-                pb_utils.Tensor("peer_req", np.asarray([[header.encode()]], dtype=np.object_)),
-            ],
-        )
-        return req.exec(decoupled=True)
-
+    # ------------------------------------------------------- model endpoints
     def _discover_endpoint(self, model: str) -> str:
         """The ZeroMQ endpoint of ``model`` (called by the PeerClient once per model).
 
@@ -239,8 +226,15 @@ class TritonPythonModel:
             raise RuntimeError(box["error"])
         return box["endpoint"]
 
-    def _bls_endpoint(self, model: str) -> str:
-        for resp in self._bls(model, "", "endpoint", [], "{}"):
+    @staticmethod
+    def _bls_endpoint(model: str) -> str:
+        req = pb_utils.InferenceRequest(
+            model_name=model, requested_output_names=["event"],
+            inputs=[pb_utils.Tensor("request_id", np.asarray([[b""]], dtype=np.object_)),
+                    pb_utils.Tensor("op", np.asarray([[b"endpoint"]], dtype=np.object_)),
+                    pb_utils.Tensor("input_ids", np.zeros((1, 0), dtype=np.int64)),
+                    pb_utils.Tensor("peer_req", np.asarray([[b"{}"]], dtype=np.object_))])
+        for resp in req.exec(decoupled=True):
             if resp.has_error():
                 raise RuntimeError(f"model {model}: {resp.error().message()}")
             ev_t = pb_utils.get_output_tensor_by_name(resp, "event")
