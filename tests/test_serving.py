@@ -299,3 +299,32 @@ def _run_with_tokens(server, tokens):
     finally:
         c.stop_stream()
         c.close()
+
+
+def test_tiny_temperature_is_greedy_and_other_requests_unharmed(triton_server):
+    """A temperature below 1e-5 is greedy (vLLM's convention) instead of overflowing the softmax;
+    concurrent sampled requests in the same batches are unaffected."""
+    sp_ref = {"max_tokens": 12, "temperature": 0}
+    reference = generate(triton_server, "Name three rivers:", sp_ref)["text_output"]
+    with cf.ThreadPoolExecutor(4) as ex:
+        others = [ex.submit(generate, triton_server, f"Tell me about number {i}.",
+                            {"max_tokens": 12, "temperature": 0.7, "seed": i}) for i in range(3)]
+        tiny = ex.submit(generate, triton_server, "Name three rivers:", {"max_tokens": 12, "temperature": 1e-45})
+        assert all(o.result()["_status"] == 200 for o in others)
+        t = tiny.result()
+    assert t["_status"] == 200 and t["text_output"] == reference
+
+
+def test_sampler_confines_a_failing_row():
+    import torch
+
+    from tokenrouter.sampling import BatchSampler
+
+    logits = torch.randn(3, 50)
+    logits[1] = float("nan")  # e.g. a broken row: multinomial rejects it
+    errors = {}
+    out = BatchSampler().sample(logits, ["a", "b", "c"], [{"temperature": 1.0, "seed": 1}] * 3, errors=errors)
+    assert list(errors) == [1] and "sampling failed" in errors[1]
+    assert out.shape == (3,) and 0 <= int(out[0]) < 50 and 0 <= int(out[2]) < 50
+    with pytest.raises(RuntimeError):
+        BatchSampler().sample(logits, ["a", "b", "c"], [{"temperature": 1.0}] * 3)

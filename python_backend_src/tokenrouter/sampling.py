@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 __all__ = ["SamplingParams", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
-           "normalized_entropy", "MAX_SEED"]
+           "normalized_entropy", "MAX_SEED", "SAMPLING_EPS"]
 
 
 @dataclass
@@ -25,7 +25,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: output budget in tokens (>= 1).
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; 0 (or below ``SAMPLING_EPS`` = 1e-5)
+            means greedy (argmax).
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
         seed: per-request RNG seed (deterministic sampling), or None.
@@ -53,6 +54,8 @@ class SamplingParams:
 _KEYS = set(SamplingParams.__dataclass_fields__)
 #: torch.Generator seeds are 64-bit signed
 MAX_SEED = 2**63 - 1
+#: temperatures below this are greedy, as in vLLM (logits / t would overflow float32)
+SAMPLING_EPS = 1e-5
 
 
 def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16) -> SamplingParams:
@@ -151,7 +154,7 @@ def normalized_entropy(logp: torch.Tensor) -> torch.Tensor:
 class BatchSampler:
     """Samples one token per row from a batch of logits, per-request settings.
 
-    Greedy rows (temperature 0) take the argmax; others apply temperature,
+    Greedy rows (temperature below ``SAMPLING_EPS``) take the argmax; others apply temperature,
     top-k and top-p, then draw with the request's own ``torch.Generator``
     (seeded when the request gave a seed, so output is reproducible whatever
     the batch composition).
@@ -177,34 +180,52 @@ class BatchSampler:
         self._gens.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, rids: Sequence[str],
-               params: Sequence[Dict[str, Any]]) -> torch.Tensor:
+               params: Sequence[Dict[str, Any]], errors: Optional[Dict[int, str]] = None) -> torch.Tensor:
         """Sample next tokens.
 
         Args:
             logits: float32 ``[B, V]``.
             rids: request ids, length B.
             params: per-row dicts with temperature, top_p, top_k, seed.
+            errors: if given, a row whose sampling fails is recorded here
+                (row index → message) instead of failing the whole batch; its
+                token is then the argmax and must not be used.
 
         Returns:
             int64 tensor ``[B]`` of token ids.
+
+        Raises:
+            RuntimeError: a row's sampling failed and ``errors`` is None.
         """
         out = torch.argmax(logits, dim=-1)
         for i, p in enumerate(params):
-            t = float(p.get("temperature", 1.0))
-            if t <= 0:
+            try:
+                tok = self._sample_row(logits[i], rids[i], p)
+            except (RuntimeError, ValueError) as e:
+                if errors is None:
+                    raise
+                errors[i] = f"sampling failed: {e}"
                 continue
-            row = logits[i].float() / t
-            k = int(p.get("top_k") or 0)
-            if 0 < k < row.shape[-1]:
-                kth = torch.topk(row, k).values[-1]
-                row = row.masked_fill(row < kth, float("-inf"))
-            probs = torch.softmax(row, -1)
-            tp = float(p.get("top_p", 1.0))
-            if tp < 1.0:
-                sp, si = torch.sort(probs, descending=True)
-                cum = torch.cumsum(sp, -1)
-                drop = cum - sp > tp
-                sp = sp.masked_fill(drop, 0.0)
-                probs = torch.zeros_like(probs).scatter_(0, si, sp)
-            out[i] = torch.multinomial(probs, 1, generator=self.generator(rids[i], p.get("seed")))[0]
+            if tok is not None:
+                out[i] = tok
         return out
+
+    def _sample_row(self, logits_row: torch.Tensor, rid: str, p: Dict[str, Any]) -> Optional[int]:
+        """One row's sampled token id, or None for greedy (the argmax)."""
+        t = float(p.get("temperature", 1.0))
+        if t < SAMPLING_EPS:  # greedy (vLLM's convention); 1/t would overflow the softmax
+            return None
+        row = logits_row.float() / t
+        k = int(p.get("top_k") or 0)
+        if 0 < k < row.shape[-1]:
+            kth = torch.topk(row, k).values[-1]
+            row = row.masked_fill(row < kth, float("-inf"))
+        probs = torch.softmax(row, -1)
+        tp = float(p.get("top_p", 1.0))
+        if tp < 1.0:
+            sp, si = torch.sort(probs, descending=True)
+            cum = torch.cumsum(sp, -1)
+            drop = cum - sp > tp
+            sp = sp.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        return int(torch.multinomial(probs, 1, generator=self.generator(rid, p.get("seed")))[0])

@@ -464,7 +464,9 @@ class Subserver:
         logits = out.logits
         logp = torch.log_softmax(logits, dim=-1)
         ent = normalized_entropy(logp).tolist()
-        toks_t = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch])
+        row_errors: Dict[int, str] = {}
+        toks_t = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch],
+                                     errors=row_errors)
         probs = logp.gather(1, toks_t.view(-1, 1)).exp().view(-1).tolist()
         toks = toks_t.tolist()
         self.counters["steps"] += 1
@@ -475,6 +477,10 @@ class Subserver:
         handoff_events = []
         send_s = 0.0
         for i, lr in enumerate(batch):
+            if i in row_errors:  # this request alone fails
+                self.counters["errors"] += 1
+                self._release(lr.rid, "error", f"model {self.name}: {row_errors[i]}")
+                continue
             hdr = lr.header
             res = StepResult(rid=lr.rid, model_index=lr.algo.model_index, token_id=toks[i],
                              norm_entropy=ent[i], prob=probs[i], step=hdr.num_generated,
