@@ -181,7 +181,7 @@ class TritonPythonModel:
                 params = self.algo_cls.validate_params(
                     {**params, self.algo_cls.threshold_param: sp.routing_threshold}, len(self.models))
             except ValueError as e:
-                raise ClientError(str(e)) from None
+                raise ClientError(f"sampling_parameters.routing_threshold: {e}") from None
         ids = encode_prompt(self.tokenizer, prompt, _bool_input(request, "apply_chat_template", False))
         if len(ids) >= self.context_length:
             raise ClientError(f"prompt has {len(ids)} tokens; the context length is {self.context_length}")
