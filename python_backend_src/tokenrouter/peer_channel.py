@@ -197,7 +197,7 @@ class PeerClient:
 
     Args:
         resolve: callable(model name) → that model's endpoint (called once per
-            model, then cached; see :meth:`forget`).
+            model, then cached).
         stall_timeout_s: a segment whose model sends nothing for this long fails
             with :class:`PeerChannelError` (seconds; 0 = wait forever).
         tick_s: while waiting, :meth:`segment` yields a ``{"kind": "tick"}``
@@ -328,13 +328,6 @@ class PeerClient:
             return ev.get("result") or {}
         finally:
             self._close_seg(seg)
-
-    def forget(self, model: str) -> None:
-        """Drop the cached endpoint of ``model`` (re-resolved on next use, e.g. after a reload)."""
-        with self._cmd_lock:
-            entry = self._cmd.pop(model, None)
-        if entry is not None:
-            entry[0].close(0)
 
     def close(self) -> None:
         """Stop the demultiplexer and close every socket."""

@@ -96,14 +96,9 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
             header.tokens = []
             handoff = None
             for ids, ev in transport.segment(name, rid, suffix, header.header_json()):
-                if ev.get("kind") == "tick":  # no response yet: a chance to notice cancellation
-                    if finish is None and cancelled():
-                        finish = FinishReason.CANCELLED.value
-                        transport.release(name, rid)
-                        released.add(current)
-                        break
-                    continue
-                if handoff_at is not None:
+                kind = ev.get("kind")
+                # a "tick" carries nothing: it only reaches the cancellation check below
+                if handoff_at is not None and kind != "tick":
                     r.handoff_gaps_s.append(time.perf_counter() - handoff_at)
                     handoff_at = None
                 scores = ev.get("scores") or []
@@ -120,7 +115,6 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
                         finish = FinishReason.STOP.value
                         transport.release(name, rid)  # ends the running segment
                         released.add(current)
-                kind = ev.get("kind")
                 if kind == "handoff":
                     handoff = ev
                     handoff_at = time.perf_counter()
@@ -135,8 +129,9 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
                     released.add(current)
                 if finish is None and cancelled():
                     finish = FinishReason.CANCELLED.value
-                    transport.release(name, rid)
+                    transport.release(name, rid)  # the segment's remaining responses are dropped
                     released.add(current)
+                    break
             if finish is None and handoff is None:
                 raise RuntimeError(f"model {name} ended a segment without a handoff or finish")
             if handoff is not None and finish is None:

@@ -271,12 +271,8 @@ class Subserver:
         return len(self.ready) >= min(self.config.delayed_batch_size, len(self.requests))
 
     def _should_step(self) -> bool:
-        if not self.ready:
-            return False
-        if self._enough_ready():
-            return True
-        oldest = next(iter(self.ready.values())).ready_since
-        return time.perf_counter() - oldest >= self.config.max_wait_s
+        # (own pace) something is ready and the delayed-batching wait is over
+        return bool(self.ready) and self._wait_timeout() == 0.0
 
     def _handle(self, item) -> None:
         op, a, b = item
