@@ -112,8 +112,18 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     work = os.path.join(out_dir, f"run-{pair}")
     os.makedirs(work, exist_ok=True)
     events = {m: os.path.join(work, f"events-{m}.jsonl") for m in MODELS}
+    model_params: Dict[str, Dict[str, object]] = {m: {"event_log": events[m]} for m in MODELS}
+    if args.algorithm_params:  # merged into the pair's (else the repository's) parameters
+        from tokenrouter.repository import PAIRS, read_config
+
+        base = PAIRS[pair].get("token_router", {}).get("algorithm_params")
+        if base is None:
+            cfg = read_config(os.path.join(ROOT, "model_repository", "token_router", "config.pbtxt"))
+            base = cfg.parameters["algorithm_params"].string_value if "algorithm_params" in cfg.parameters else ""
+        merged = {**json.loads(base or "{}"), **args.algorithm_params}
+        model_params["token_router"] = {"algorithm_params": json.dumps(merged)}
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), pair,
-                        model_params={m: {"event_log": events[m]} for m in MODELS},
+                        model_params=model_params,
                         routers={"token_router_llm_only": {"algorithm": "none", "algorithm_params": '{"model": 1}'},
                                  "token_router_slm_only": {"algorithm": "none", "algorithm_params": '{"model": 0}'}})
     prompts = _prompts()
@@ -326,6 +336,20 @@ def plots(results: Dict[str, Any], out_dir: str) -> List[str]:
     return files
 
 
+def _scale_note(a) -> str:
+    """Say in the output how these settings differ from the issue-size ones (--full)."""
+    if a.full:
+        return ""
+    notes = []
+    if max(a.max_tokens) < 512:
+        notes.append(f"output lengths {'/'.join(map(str, a.max_tokens))} stand for 128/512")
+    if max(a.concurrency) < 16:
+        notes.append("N = 16 left to --full")
+    if a.requests_per_client < 3:
+        notes.append(f"{a.requests_per_client} request(s) per client (--full: 3)")
+    return "scaled for a 2-core CPU: " + ", ".join(notes) if notes else ""
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default="demo,size-realistic")
@@ -338,6 +362,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch-override", default="",
                     help="use these B_i instead of the DTMC's B* in tokenrouter mode, e.g. slm=3 "
                          "(exploration; the table marks the B used)")
+    ap.add_argument("--algorithm-params", default="",
+                    help="JSON merged into the pair's routing-algorithm parameters, e.g. '{\"tau\": 0.3}' "
+                         "(the size-realistic pair's τ 0.4 sends ~9 %% of tokens to the LLM)")
     ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
@@ -348,6 +375,12 @@ def main(argv=None) -> int:
         ap.error("--batch-override takes model=B pairs, e.g. slm=3,llm=6")
     if set(a.batch_override) - set(MODELS) or any(v < 1 for v in a.batch_override.values()):
         ap.error(f"--batch-override: models are {MODELS}, B >= 1")
+    try:
+        a.algorithm_params = json.loads(a.algorithm_params) if a.algorithm_params else {}
+    except json.JSONDecodeError as e:
+        ap.error(f"--algorithm-params is not JSON: {e}")
+    if not isinstance(a.algorithm_params, dict):
+        ap.error("--algorithm-params must be a JSON object")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = set(a.modes) - set(ALL_MODES)
     if bad:
@@ -355,11 +388,13 @@ def main(argv=None) -> int:
     a.concurrency = [int(x) for x in (a.concurrency or ("1,4,8,16" if a.full else "1,4,8")).split(",")]
     a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,48")).split(",")]
     a.requests_per_client = a.requests_per_client or (3 if a.full else 1)
+    if min(a.concurrency) < 1 or min(a.max_tokens) < 1 or a.requests_per_client < 1:
+        ap.error("--concurrency, --max-tokens and --requests-per-client take positive integers")
     os.makedirs(a.out, exist_ok=True)
-    settings = {"pairs": a.pairs, "modes": a.modes, "batch_override": a.batch_override, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+    settings = {"pairs": a.pairs, "modes": a.modes, "batch_override": a.batch_override,
+                "algorithm_params": a.algorithm_params, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "requests_per_client": a.requests_per_client, "full": a.full,
-                "note": "" if a.full else ("scaled for a 2-core CPU: output lengths 16/48 stand for 128/512, "
-                                           "N = 16 and repeated requests left to --full")}
+                "note": _scale_note(a)}
     results: Dict[str, Any] = {"settings": settings, "rows": []}
     print(f"settings: {settings}")
     t0 = time.time()

@@ -85,3 +85,87 @@ def test_release_is_idempotent_and_capacity_checked(engine):
     engine.release(big)
     with pytest.raises(ValueError):
         engine.add("empty", [])
+
+
+
+def _logits_of_batches(e, tag):
+    """Logits of a prefill, a decode and a two-token resume for batches of 1, 3 and 6 requests."""
+    tok = e.tokenizer
+    prompts = [tok.encode(t) for t in ("The quick brown fox", "Once upon a time", "1, 2, 3,", "Dear sir,",
+                                       "import numpy as", "The capital of France is")]
+    out = []
+    for n in (1, 3, 6):
+        seqs = [e.add(f"{tag}-{n}-{i}", p) for i, p in enumerate(prompts[:n])]
+        first = e.forward(seqs).logits
+        out.append(first)
+        for i, s in enumerate(seqs):
+            s.tokens.append(int(first[i].argmax()))
+        out.append(e.forward(seqs).logits)  # decode
+        for s in seqs:
+            s.tokens.extend([11, 12])  # a resume with two new tokens each
+        out.append(e.forward(seqs).logits)
+        for s in seqs:
+            e.release(s)
+    return out
+
+
+def test_cpu_prepacked_linear_weights_give_the_same_logits(engine, monkeypatch):
+    """The oneDNN-prepacked linear weights (default "dual") compute what SGLang's F.linear does.
+
+    Compared on the same engine with the original row-major methods swapped back in;
+    "dual" as configured (1-3 rows row-major, more rows packed) and packed for every
+    batch size.
+    """
+    from tokenrouter.sglang_cpu_compat import _PrepackedLinear
+
+    assert engine.prepacked_layers > 0, "the default engine should prepack its linear layers on the CPU"
+    wrapped = [(m, m.quant_method) for m in engine.runner.model.modules()
+               if isinstance(getattr(m, "quant_method", None), _PrepackedLinear)]
+    assert len(wrapped) == engine.prepacked_layers
+    dual = _logits_of_batches(engine, "dual")
+    monkeypatch.setattr(_PrepackedLinear, "SMALL_ROWS", 0)
+    packed = _logits_of_batches(engine, "packed")
+    for m, qm in wrapped:
+        m.quant_method = qm._orig
+    try:
+        ref = _logits_of_batches(engine, "ref")
+    finally:
+        for m, qm in wrapped:
+            m.quant_method = qm
+    for got in (dual, packed):
+        for a, b in zip(got, ref):
+            assert a.shape == b.shape and a.shape[1] == engine.vocab_size
+            assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), float((a - b).abs().max())
+    assert engine.kv_tokens_in_use() == 0
+
+
+def test_cpu_extend_attention_matches_sglang(engine):
+    """The new-rows-only extend attention gives SGLang torch_native's logits (prefill and resumes)."""
+    from sglang.srt.layers.attention import torch_native_backend as tnb
+
+    from tokenrouter import sglang_cpu_compat as compat
+
+    cls = tnb.TorchNativeAttnBackend
+    assert cls._run_sdpa_forward_extend is compat._sdpa_forward_extend_new_rows, "patch not installed on the CPU"
+    tok = engine.tokenizer
+    long_prompt = tok.encode("Tell me about the history of the printing press. " * 20)  # ~200 tokens
+
+    def run(tag):
+        seqs = [engine.add(f"{tag}-{i}", long_prompt[i:]) for i in range(3)]
+        out = [engine.forward(seqs).logits]  # prefill
+        for n, s in zip((1, 2, 3), seqs):  # resumes with 1, 2, 3 new tokens
+            s.tokens.extend([13 + j for j in range(n)])
+        out.append(engine.forward(seqs).logits)
+        for s in seqs:
+            engine.release(s)
+        return out
+
+    new = run("new")
+    cls._run_sdpa_forward_extend = compat._orig_sdpa_extend
+    try:
+        ref = run("ref")
+    finally:
+        cls._run_sdpa_forward_extend = compat._sdpa_forward_extend_new_rows
+    for a, b in zip(new, ref):
+        assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), float((a - b).abs().max())
+    assert engine.kv_tokens_in_use() == 0

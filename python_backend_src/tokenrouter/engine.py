@@ -64,6 +64,13 @@ class EngineConfig:
         one_forward_per_step: when a step has both sequences to extend (new or
             resumed) and sequences to decode, run them all as one extend batch
             instead of two forwards.
+        cpu_linear_weights: CPU hosts only (see
+            :func:`tokenrouter.sglang_cpu_compat.prepack_linear_weights`):
+            ``"dual"`` packs the linear weights for oneDNN once at load time and
+            keeps the row-major ones for steps of 1-3 rows (batched steps then
+            cost little more than single ones; linear weights stored twice);
+            ``"packed"`` keeps only the packed ones; ``"rowmajor"`` leaves
+            SGLang's ``F.linear`` as is.
     """
 
     model_path: str
@@ -77,6 +84,7 @@ class EngineConfig:
     attention_backend: Optional[str] = None
     capture_hidden: bool = False
     one_forward_per_step: bool = True
+    cpu_linear_weights: str = "dual"
 
 
 @dataclass
@@ -192,6 +200,9 @@ class SGLangEngine:
 
         cfg = self.config
         on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            from .sglang_cpu_compat import patch_torch_native_extend
+            patch_torch_native_extend()
         kwargs = dict(
             model_path=cfg.model_path,
             tokenizer_path=cfg.model_path,
@@ -232,6 +243,13 @@ class SGLangEngine:
         else:
             self._capture_mode = None
         self._torch_threads = torch.get_num_threads()
+        self.prepacked_layers = 0
+        if cfg.cpu_linear_weights not in ("dual", "packed", "rowmajor"):
+            raise ValueError(f"cpu_linear_weights must be dual, packed or rowmajor, not {cfg.cpu_linear_weights!r}")
+        if not on_gpu and cfg.cpu_linear_weights != "rowmajor":
+            from .sglang_cpu_compat import prepack_linear_weights
+            self.prepacked_layers = prepack_linear_weights(
+                self.runner.model, batch_hint=8, keep_rowmajor=cfg.cpu_linear_weights == "dual")
 
     # ------------------------------------------------------------- accounting
     def kv_tokens_in_use(self) -> int:

@@ -99,6 +99,7 @@ def llm_settings(params: Dict[str, str]):
         load_format=param(params, "load_format", "auto"),
         random_seed=param(params, "random_seed", 0, int),
         capture_hidden=param(params, "capture_hidden", False, bool),
+        cpu_linear_weights=param(params, "cpu_linear_weights", "dual"),
     )
     sched = dict(
         delayed_batch_size=max(1, param(params, "delayed_batch_size", 1, int)),

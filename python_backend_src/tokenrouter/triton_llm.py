@@ -27,7 +27,8 @@ Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
 models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}``
 is replaced by the model name), ``capture_hidden`` (return the last hidden
 state of every step to the routing algorithm: needed on model 0 by the learned
-routers of CITER, R2R and Co-LLM).  Custom metrics on Triton's metrics endpoint:
+routers of CITER, R2R and Co-LLM), ``cpu_linear_weights`` (CPU hosts: ``dual``
+default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.EngineConfig`).  Custom metrics on Triton's metrics endpoint:
 ``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
 ``tokenrouter_extend_tokens_total``, ``tokenrouter_decode_tokens_total``,
 ``tokenrouter_active_requests`` (label ``model``).
