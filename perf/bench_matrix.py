@@ -51,7 +51,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
 from loadgen import run_load, summarize  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
-from tritonserver import TritonServer  # noqa: E402
+from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 
 MODELS = ["slm", "llm"]
 ALL_MODES = ["tokenrouter", "eager-async", "std-serving", "lock-step", "llm-only", "slm-only", "no-triton"]
@@ -342,7 +342,7 @@ def _scale_note(a) -> str:
         return ""
     notes = []
     if max(a.max_tokens) < 512:
-        notes.append(f"output lengths {'/'.join(map(str, a.max_tokens))} stand for 128/512")
+        notes.append(f"output lengths {'/'.join(map(str, a.max_tokens))} tokens instead of 128/512")
     if max(a.concurrency) < 16:
         notes.append("N = 16 left to --full")
     if a.requests_per_client < 3:
@@ -368,7 +368,12 @@ def main(argv=None) -> int:
     ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
+    exit_on_termination()
+    from tokenrouter.repository import PAIRS
+
     a.pairs = [p for p in a.pairs.split(",") if p]
+    if not a.pairs or set(a.pairs) - set(PAIRS):
+        ap.error(f"--pairs: known pairs are {sorted(PAIRS)}")
     try:
         a.batch_override = {k.strip(): int(v) for k, v in (x.split("=") for x in a.batch_override.split(",") if x)}
     except ValueError:
@@ -381,13 +386,32 @@ def main(argv=None) -> int:
         ap.error(f"--algorithm-params is not JSON: {e}")
     if not isinstance(a.algorithm_params, dict):
         ap.error("--algorithm-params must be a JSON object")
+    if a.algorithm_params:  # checked here, not 45 s later by the server
+        from tokenrouter.algorithms import get_algorithm
+        from tokenrouter.repository import read_config
+
+        rp = read_config(os.path.join(ROOT, "model_repository", "token_router", "config.pbtxt")).parameters
+        algo = rp["algorithm"].string_value if "algorithm" in rp else "rstitch"
+        for pair in a.pairs:
+            base = PAIRS[pair].get("token_router", {}).get("algorithm_params")
+            if base is None:
+                base = rp["algorithm_params"].string_value if "algorithm_params" in rp else ""
+            try:
+                get_algorithm(algo).validate_params({**json.loads(base or "{}"), **a.algorithm_params},
+                                                    num_models=len(MODELS))
+            except ValueError as e:
+                ap.error(f"--algorithm-params for {algo} ({pair} pair): {e}")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = set(a.modes) - set(ALL_MODES)
     if bad:
         ap.error(f"unknown modes {sorted(bad)}; known: {ALL_MODES}")
-    a.concurrency = [int(x) for x in (a.concurrency or ("1,4,8,16" if a.full else "1,4,8")).split(",")]
-    a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,48")).split(",")]
-    a.requests_per_client = a.requests_per_client or (3 if a.full else 1)
+    try:
+        a.concurrency = [int(x) for x in (a.concurrency or ("1,4,8,16" if a.full else "1,4,8")).split(",")]
+        a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,48")).split(",")]
+    except ValueError:
+        ap.error("--concurrency and --max-tokens take comma-separated integers, e.g. 1,4,8")
+    if a.requests_per_client is None:
+        a.requests_per_client = 3 if a.full else 1
     if min(a.concurrency) < 1 or min(a.max_tokens) < 1 or a.requests_per_client < 1:
         ap.error("--concurrency, --max-tokens and --requests-per-client take positive integers")
     os.makedirs(a.out, exist_ok=True)

@@ -35,7 +35,7 @@ from loadgen import percentile  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.cli import stream_generate  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
-from tritonserver import TritonServer  # noqa: E402
+from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 
 KEYS = ("steps", "decode_steps", "decode_step_forward_s", "resume_steps", "resume_step_forward_s", "forward_s", "route_s", "send_s",
         "step_time_s")
@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=48)
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("breakdown-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
+    exit_on_termination()
     os.makedirs(a.out, exist_ok=True)
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(a.out, "model_repository"), a.pair)
     prompts = _prompts()

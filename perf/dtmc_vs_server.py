@@ -33,7 +33,7 @@ from bench_matrix import MODELS, RESET, _events_size, _prompts, _read_slice, b_s
 from loadgen import run_load, summarize  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
-from tritonserver import TritonServer  # noqa: E402
+from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -46,6 +46,7 @@ def main(argv=None) -> int:
                     help="delayed-batching wait bound during the sweep (large: a pure threshold, as the DTMC)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("dtmc-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
+    exit_on_termination()
     Ns = [int(x) for x in a.concurrency.split(",")]
     os.makedirs(a.out, exist_ok=True)
     events = {m: os.path.join(a.out, f"events-{m}.jsonl") for m in MODELS}

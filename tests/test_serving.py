@@ -328,3 +328,26 @@ def test_sampler_confines_a_failing_row():
     assert out.shape == (3,) and 0 <= int(out[0]) < 50 and 0 <= int(out[2]) < 50
     with pytest.raises(RuntimeError):
         BatchSampler().sample(logits, ["a", "b", "c"], [{"temperature": 1.0}] * 3)
+
+
+def test_admin_command_line(triton_server):
+    """`python -m tokenrouter.admin`: stats of both models as JSON, configure, clear errors."""
+    import subprocess
+    import sys
+
+    wait_kv_released(triton_server)
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tokenrouter.admin", *a, "--url",  # noqa: E731
+                                     triton_server.grpc_url], capture_output=True, text=True, timeout=120)
+    p = run("stats")
+    assert p.returncode == 0, p.stderr
+    st = json.loads(p.stdout)
+    assert set(st) == {"slm", "llm"}
+    assert all(s["kv_tokens_in_use"] == 0 and s["kv_capacity_tokens"] > 0 for s in st.values())
+    p = run("configure", "--models", "llm", '{"stream_interval": 1}')
+    assert p.returncode == 0 and set(json.loads(p.stdout)) == {"llm"}, p.stderr
+    p = run("configure", "--models", "llm", '{"no_such_setting": 1}')
+    assert p.returncode == 1 and "no_such_setting" in p.stderr
+    p = run("configure", "not json")
+    assert p.returncode == 2 and "JSON" in p.stderr
+    p = run("stats", "--models", "nosuchmodel")
+    assert p.returncode == 1 and "nosuchmodel" in p.stderr

@@ -55,6 +55,20 @@ def _tail(path: Path, lines: int = 60) -> str:
         return f"(no log: {e})"
 
 
+def exit_on_termination() -> None:
+    """Make SIGTERM and SIGHUP raise ``SystemExit`` (status 128 + signal) in the main thread.
+
+    The server runs in its own session, so only leaving a ``with TritonServer(...)``
+    block stops it; scripts that call this before starting one (perf/) then stop
+    their server when killed or timed out, not only on Ctrl-C.
+    """
+    def _exit(signum, _frame):
+        raise SystemExit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _exit)
+
+
 class TritonServer:
     """A tritonserver process on free ports; ``start()`` returns once it is ready.
 

@@ -2,6 +2,12 @@
 
 The LLM models are decoupled, so each call is one request on a gRPC stream
 answered by one final response whose ``event`` output is JSON.
+
+Command line (prints JSON)::
+
+    python -m tokenrouter.admin stats                       # slm and llm at localhost:8001
+    python -m tokenrouter.admin stats --models llm --url host:8001
+    python -m tokenrouter.admin configure --models llm '{"delayed_batch_size": 2}'
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["model_op", "model_stats", "configure"]
+__all__ = ["model_op", "model_stats", "configure", "main"]
 
 
 def model_op(url: str, model: str, op: str, payload: Optional[Dict[str, Any]] = None,
@@ -56,3 +62,39 @@ def model_stats(url: str, model: str) -> Dict[str, Any]:
 def configure(url: str, model: str, **settings: Any) -> Dict[str, Any]:
     """Change a model's scheduling settings at run time (delayed_batch_size, …)."""
     return model_op(url, model, "configure", settings)
+
+
+def main(argv=None) -> int:
+    """CLI: ``stats`` or ``configure`` for each of ``--models``; prints ``{model: answer}`` as JSON."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.admin", description=__doc__.split("\n\n")[0])
+    ap.add_argument("op", choices=["stats", "configure"])
+    ap.add_argument("settings", nargs="?", default="",
+                    help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'")
+    ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
+    ap.add_argument("--models", default="slm,llm", help="comma-separated LLM models (default slm,llm)")
+    a = ap.parse_intermixed_args(argv)
+    settings: Dict[str, Any] = {}
+    if a.op == "configure":
+        try:
+            settings = json.loads(a.settings)
+        except json.JSONDecodeError as e:
+            ap.error(f"configure takes a JSON object of settings: {e}")
+        if not isinstance(settings, dict) or not settings:
+            ap.error("configure takes a non-empty JSON object of settings")
+    out: Dict[str, Any] = {}
+    try:
+        for m in [x.strip() for x in a.models.split(",") if x.strip()]:
+            out[m] = model_stats(a.url, m) if a.op == "stats" else configure(a.url, m, **settings)
+    except Exception as e:  # noqa: BLE001 - a CLI: report and exit non-zero
+        print(json.dumps(out, indent=1))
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from typing import Any, Dict, List
@@ -188,7 +189,9 @@ class TritonPythonModel:
         members = [m.strip() for m in group.split(",") if m.strip()]
         if self.name not in members:
             raise ValueError(f"lockstep_group {group!r} does not list this model ({self.name!r})")
-        return TurnRing(default_ring_path(group), members.index(self.name), len(members))
+        path = default_ring_path(group)
+        self._ring_paths = getattr(self, "_ring_paths", set()) | {path}
+        return TurnRing(path, members.index(self.name), len(members))
 
     # --------------------------------------------------------------- execute
     def execute(self, requests: List[Any]) -> None:
@@ -250,3 +253,8 @@ class TritonPythonModel:
         # interpreter's final garbage collection, their destructors crash the stub on exit
         self._metrics.clear()
         self._families.clear()
+        for path in getattr(self, "_ring_paths", ()):  # lock-step turn files (/dev/shm)
+            try:
+                os.unlink(path)
+            except OSError:
+                pass  # the other member removed it first
