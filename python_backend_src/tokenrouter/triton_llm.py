@@ -96,6 +96,7 @@ class TritonPythonModel:
         engine_kwargs, sched_kwargs = llm_settings(p)
         self.engine_config = EngineConfig(**engine_kwargs)
         sched = SubserverConfig(**sched_kwargs)
+        self._ring_paths: set = set()  # lock-step turn files this model opened (removed at finalize)
         group = param(p, "lockstep_group", "")
         if group:
             sched.lockstep = self._ring(group)
@@ -190,7 +191,7 @@ class TritonPythonModel:
         if self.name not in members:
             raise ValueError(f"lockstep_group {group!r} does not list this model ({self.name!r})")
         path = default_ring_path(group)
-        self._ring_paths = getattr(self, "_ring_paths", set()) | {path}
+        self._ring_paths.add(path)
         return TurnRing(path, members.index(self.name), len(members))
 
     # --------------------------------------------------------------- execute
@@ -253,7 +254,7 @@ class TritonPythonModel:
         # interpreter's final garbage collection, their destructors crash the stub on exit
         self._metrics.clear()
         self._families.clear()
-        for path in getattr(self, "_ring_paths", ()):  # lock-step turn files (/dev/shm)
+        for path in self._ring_paths:  # lock-step turn files (/dev/shm)
             try:
                 os.unlink(path)
             except OSError:
