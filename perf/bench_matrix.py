@@ -108,19 +108,29 @@ def _lat(profile: Dict[str, Any], model: str) -> float:
     return float(v if not isinstance(v, dict) else v[sorted(v, key=int)[0]])
 
 
+def router_algorithm(pair: str, override: Dict[str, Any]) -> tuple:
+    """``(algorithm name, parameters)`` of the pair's token_router with ``override`` merged in.
+
+    The base parameters are the pair's (:data:`tokenrouter.repository.PAIRS`), else
+    the repository's token_router config.
+    """
+    from tokenrouter.repository import PAIRS, read_config
+
+    rp = read_config(os.path.join(ROOT, "model_repository", "token_router", "config.pbtxt")).parameters
+    algo = rp["algorithm"].string_value if "algorithm" in rp else "rstitch"
+    base = PAIRS[pair].get("token_router", {}).get("algorithm_params")
+    if base is None:
+        base = rp["algorithm_params"].string_value if "algorithm_params" in rp else ""
+    return algo, {**json.loads(base or "{}"), **override}
+
+
 def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     work = os.path.join(out_dir, f"run-{pair}")
     os.makedirs(work, exist_ok=True)
     events = {m: os.path.join(work, f"events-{m}.jsonl") for m in MODELS}
     model_params: Dict[str, Dict[str, object]] = {m: {"event_log": events[m]} for m in MODELS}
-    if args.algorithm_params:  # merged into the pair's (else the repository's) parameters
-        from tokenrouter.repository import PAIRS, read_config
-
-        base = PAIRS[pair].get("token_router", {}).get("algorithm_params")
-        if base is None:
-            cfg = read_config(os.path.join(ROOT, "model_repository", "token_router", "config.pbtxt"))
-            base = cfg.parameters["algorithm_params"].string_value if "algorithm_params" in cfg.parameters else ""
-        merged = {**json.loads(base or "{}"), **args.algorithm_params}
+    if args.algorithm_params:
+        _, merged = router_algorithm(pair, args.algorithm_params)
         model_params["token_router"] = {"algorithm_params": json.dumps(merged)}
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), pair,
                         model_params=model_params,
@@ -388,17 +398,11 @@ def main(argv=None) -> int:
         ap.error("--algorithm-params must be a JSON object")
     if a.algorithm_params:  # checked here, not 45 s later by the server
         from tokenrouter.algorithms import get_algorithm
-        from tokenrouter.repository import read_config
 
-        rp = read_config(os.path.join(ROOT, "model_repository", "token_router", "config.pbtxt")).parameters
-        algo = rp["algorithm"].string_value if "algorithm" in rp else "rstitch"
         for pair in a.pairs:
-            base = PAIRS[pair].get("token_router", {}).get("algorithm_params")
-            if base is None:
-                base = rp["algorithm_params"].string_value if "algorithm_params" in rp else ""
+            algo, merged = router_algorithm(pair, a.algorithm_params)
             try:
-                get_algorithm(algo).validate_params({**json.loads(base or "{}"), **a.algorithm_params},
-                                                    num_models=len(MODELS))
+                get_algorithm(algo).validate_params(merged, num_models=len(MODELS))
             except ValueError as e:
                 ap.error(f"--algorithm-params for {algo} ({pair} pair): {e}")
     a.modes = [m for m in a.modes.split(",") if m]

@@ -171,12 +171,15 @@ class SGLangEngine:
 
     Raises:
         FileNotFoundError: ``config.model_path`` has no ``config.json``.
+        ValueError: ``config.cpu_linear_weights`` is not dual, packed or rowmajor.
     """
 
     def __init__(self, config: EngineConfig):
         self.config = config
         if not os.path.isfile(os.path.join(config.model_path, "config.json")):
             raise FileNotFoundError(f"no config.json in model_path {config.model_path!r}")
+        if config.cpu_linear_weights not in ("dual", "packed", "rowmajor"):
+            raise ValueError(f"cpu_linear_weights must be dual, packed or rowmajor, not {config.cpu_linear_weights!r}")
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self._load()
@@ -244,8 +247,6 @@ class SGLangEngine:
             self._capture_mode = None
         self._torch_threads = torch.get_num_threads()
         self.prepacked_layers = 0
-        if cfg.cpu_linear_weights not in ("dual", "packed", "rowmajor"):
-            raise ValueError(f"cpu_linear_weights must be dual, packed or rowmajor, not {cfg.cpu_linear_weights!r}")
         if not on_gpu and cfg.cpu_linear_weights != "rowmajor":
             from .sglang_cpu_compat import prepack_linear_weights
             self.prepacked_layers = prepack_linear_weights(
