@@ -31,18 +31,41 @@ class TritonServerError(RuntimeError):
     pass
 
 
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports that are free right now (bound together, then released)."""
-    socks = []
+def _ephemeral_range() -> tuple[int, int]:
     try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports that are free right now, chosen below the ephemeral range.
+
+    tritonserver binds its ports only after loading its models (tens of seconds);
+    a port from the kernel's ephemeral range (what binding port 0 returns) can be
+    taken in the meantime by any outgoing connection, so ports are drawn at random
+    from 20000 up to the start of that range and checked by binding them.
+    """
+    import random
+
+    lo, hi = 20000, _ephemeral_range()[0] - 1
+    if hi - lo < 10 * n:
+        lo, hi = 1024, 65535
+    ports: list[int] = []
+    for _ in range(1000):
+        port = random.randint(lo, hi)
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("0.0.0.0", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise TritonServerError(f"no {n} free TCP ports found in {lo}-{hi}")
 
 
 def _tail(path: Path, lines: int = 60) -> str:
