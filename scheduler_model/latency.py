@@ -312,7 +312,8 @@ def calibration_points(calib: Mapping[str, Any], model: str) -> Tuple[List[int],
 
     ``calib`` is the JSON written by ``python -m scheduler_model calibrate`` (format in
     :mod:`scheduler_model.calibrate`). Decode steps give (b, 0, L); the resume step of each
-    batch size gives (b, extend_tokens, L). Returns empty lists if the model is absent.
+    batch size gives (b, extend_tokens, L); prefill steps (rows, extend_tokens, L). Returns
+    empty lists if the model is absent.
 
     Raises:
         ProfileError: malformed calibration object.
@@ -332,6 +333,8 @@ def calibration_points(calib: Mapping[str, Any], model: str) -> Tuple[List[int],
                 bs.append(b), ex.append(0.0), ls.append(float(L))
             if row.get("resume_latency_s") is not None:
                 bs.append(b), ex.append(float(row["resume_extend_tokens"])), ls.append(float(row["resume_latency_s"]))
+            for pf in row.get("prefill") or []:
+                bs.append(int(pf["rows"])), ex.append(float(pf["extend_tokens"])), ls.append(float(pf["latency_s"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise ProfileError(f"calibration of {model!r} is malformed: {exc!r}") from None
     return bs, ex, ls
