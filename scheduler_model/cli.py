@@ -15,8 +15,9 @@
 * ``calibrate --url HOST:GRPCPORT --models slm,llm [--batch-sizes 1,2,4,8,16,32] [--context 256]
   [--decode-steps 8] [-o CALIB.json]`` times synthetic steps on a running, idle server
   (:mod:`scheduler_model.calibrate`). Exit status 1 if a model refuses or cannot be reached.
-* ``simulate --profile PROFILE.json --thresholds slm=1,llm=2 [--events E] [--json]`` runs the
-  discrete-event simulator (:mod:`scheduler_model.simulate`).
+* ``simulate --profile PROFILE.json --thresholds slm=1,llm=2 [--events E] [--json]
+  [--max-wait-us slm=5000,llm=20000]`` runs the discrete-event simulator
+  (:mod:`scheduler_model.simulate`), optionally with the server's wait bound.
 
 Exit status: 0 on success, 2 on a usage, profile, feasibility or config error (message on stderr).
 """
@@ -89,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--thresholds", required=True, type=_parse_thresholds, help="e.g. slm=1,llm=2")
     m.add_argument("--events", type=int, default=100_000, help="completion events to simulate")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--max-wait-us", type=_parse_thresholds, default=None,
+                   help="the server's delayed_batch_max_wait_us per model, e.g. slm=5000,llm=20000 "
+                        "(not in the DTMC)")
     m.add_argument("--json", action="store_true")
     return ap
 
@@ -200,7 +204,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .system import System
 
     system = System.from_profile(load_profile(args.profile))
-    res = simulate(system, args.thresholds, events=args.events, seed=args.seed)
+    wait = None
+    if args.max_wait_us:
+        unknown = set(args.max_wait_us) - set(system.models)
+        if unknown:
+            print(f"error: --max-wait-us names unknown models {sorted(unknown)}", file=sys.stderr)
+            return 2
+        wait = [args.max_wait_us[m] / 1e6 if m in args.max_wait_us else None for m in system.models]
+    res = simulate(system, args.thresholds, events=args.events, seed=args.seed, max_wait_s=wait)
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:
