@@ -1,6 +1,6 @@
 """scheduler_model — TokenRouter's delayed-batching model: DTMC, B* search, simulator, config writer.
 
-Pure numpy/scipy (protobuf + tritonclient only for writing Triton configs). Follows the
+Pure numpy/scipy (protobuf + tritonclient only for writing Triton configs and for calibration). Follows the
 TokenRouter paper's "DTMC for B*" (delayed batching): M models, a closed population of N
 requests, step latency L_i(b) (s), routing matrix P = [p_ij], committed tokens C = [c_ij];
 an idle model starts a batch once B_i requests are queued; T(B) in tokens/s; B* = argmax over
@@ -13,9 +13,11 @@ Modules:
     approx         vectorised common-random-numbers simulation and racing
     simulate       per-request discrete-event simulator (also non-geometric run lengths)
     online         sliding-window re-estimation of P, C, L_i and B*
+    latency        step-latency model: monotone robust fit in rows and extend tokens
+    calibrate      synthetic-step calibration against a running server (tritonclient)
     profile        routing event log → PROFILE.json
     config_writer  B* → Triton config.pbtxt
-    cli            ``python -m scheduler_model solve|profile|simulate``
+    cli            ``python -m scheduler_model solve|profile|simulate|calibrate``
 """
 
 from .errors import (

@@ -5,10 +5,19 @@
   B* search; ``--json`` prints ``{"B_star", "throughput_tokens_per_s", "method", "states", "table", …}``,
   otherwise a readable table. ``--write-config`` writes B* into each model's config.pbtxt
   (:mod:`scheduler_model.config_writer`).
-* ``profile --events EVENTS.jsonl --models slm,llm --concurrency N [-o PROFILE.json]`` converts a
-  routing event log to a profile (:mod:`scheduler_model.profile`).
-* ``simulate --profile PROFILE.json --thresholds slm=1,llm=2 [--events E] [--json]`` runs the
-  discrete-event simulator (:mod:`scheduler_model.simulate`).
+  ``--calibration CALIB.json`` refits the calibrated models' step latency first
+  (:func:`scheduler_model.calibrate.apply_calibration`); ``--concurrency N`` overrides N. The
+  JSON also carries ``concurrency`` and ``step_latency_s`` {model: [L̄(1), …, L̄(max batch)]}
+  (s), the latencies the search used.
+* ``profile --events EVENTS.jsonl --models slm,llm --concurrency N [--calibration CALIB.json]
+  [-o PROFILE.json]`` converts a routing event log to a profile (:mod:`scheduler_model.profile`),
+  with the step-latency model fitted to the events' steps and the calibration's.
+* ``calibrate --url HOST:GRPCPORT --models slm,llm [--batch-sizes 1,2,4,8,16,32] [--context 256]
+  [--decode-steps 8] [-o CALIB.json]`` times synthetic steps on a running, idle server
+  (:mod:`scheduler_model.calibrate`). Exit status 1 if a model refuses or cannot be reached.
+* ``simulate --profile PROFILE.json --thresholds slm=1,llm=2 [--events E] [--json]
+  [--max-wait-us slm=5000,llm=20000]`` runs the discrete-event simulator
+  (:mod:`scheduler_model.simulate`), optionally with the server's wait bound.
 
 Exit status: 0 on success, 2 on a usage, profile, feasibility or config error (message on stderr).
 """
@@ -53,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--time-budget-s", type=float, default=20.0, help="auto: exact only if it fits this budget")
     s.add_argument("--seed", type=int, default=0, help="seed of crn-racing")
     s.add_argument("--quantum-s", type=float, default=None, help="override the profile's quantum_s (s)")
+    s.add_argument("--calibration", metavar="CALIB.json",
+                   help="refit the calibrated models' step latency to this calibration (calibrate's output)")
+    s.add_argument("--concurrency", type=int, default=None, help="override the profile's concurrency N")
 
     p = sub.add_parser("profile", help="convert a routing event log to PROFILE.json")
     p.add_argument("--events", required=True, help="EVENTS.jsonl")
@@ -60,13 +72,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", required=True, type=int, help="N")
     p.add_argument("--quantum-s", type=float, default=1e-4, help="DTMC quantum δ in seconds")
     p.add_argument("--fixed-thresholds", type=_parse_thresholds, default=None, help="e.g. slm=1")
+    p.add_argument("--calibration", metavar="CALIB.json",
+                   help="also fit the step latency to these calibration steps (calibrate's output)")
     p.add_argument("-o", "--output", help="write here instead of stdout")
+
+    c = sub.add_parser("calibrate", help="time synthetic steps of each model of a running server")
+    c.add_argument("--url", default="localhost:8001", help="Triton gRPC address HOST:PORT")
+    c.add_argument("--models", default="slm,llm", help="comma-separated model names")
+    c.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated rows per step")
+    c.add_argument("--context", type=int, default=256, help="tokens of each synthetic sequence")
+    c.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per batch size")
+    c.add_argument("--timeout-s", type=float, default=3600.0, help="per model")
+    c.add_argument("-o", "--output", help="write here instead of stdout")
 
     m = sub.add_parser("simulate", help="discrete-event simulation for given thresholds")
     m.add_argument("--profile", required=True)
     m.add_argument("--thresholds", required=True, type=_parse_thresholds, help="e.g. slm=1,llm=2")
     m.add_argument("--events", type=int, default=100_000, help="completion events to simulate")
     m.add_argument("--seed", type=int, default=0)
+    m.add_argument("--max-wait-us", type=_parse_thresholds, default=None,
+                   help="the server's delayed_batch_max_wait_us per model, e.g. slm=5000,llm=20000 "
+                        "(not in the DTMC)")
     m.add_argument("--json", action="store_true")
     return ap
 
@@ -84,10 +110,19 @@ def cmd_solve(args: argparse.Namespace) -> int:
     prof = load_profile(args.profile)
     if args.quantum_s is not None:
         prof["quantum_s"] = args.quantum_s
+    if args.concurrency is not None:
+        prof["concurrency"] = args.concurrency
+    if args.calibration:
+        from .calibrate import apply_calibration, load_calibration
+
+        prof = apply_calibration(prof, load_calibration(args.calibration))
     system = System.from_profile(prof)
     res = find_B_star(system, method=args.method, max_states=args.max_states,
                       time_budget_s=args.time_budget_s, seed=args.seed)
     out = res.to_json()
+    out["concurrency"] = system.N
+    out["step_latency_s"] = {m: [round(system.latency_s(i, b), 6) for b in range(1, system.max_batch[i] + 1)]
+                             for i, m in enumerate(system.models)}
     if args.write_config:
         wait = config_writer.max_wait_us(system, res.B_star, res.throughput_tokens_per_s)
         msgs = config_writer.write_configs(args.write_config, res.B_star, wait)
@@ -120,9 +155,41 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from .profile import profile_from_events, read_events
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
+    calib = None
+    if args.calibration:
+        from .calibrate import load_calibration
+
+        calib = load_calibration(args.calibration)
     prof = profile_from_events(read_events(args.events), models, args.concurrency, quantum_s=args.quantum_s,
-                               fixed_thresholds=args.fixed_thresholds)
+                               fixed_thresholds=args.fixed_thresholds, calibration=calib)
     text = json.dumps(prof, indent=2)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from .calibrate import run_calibration
+
+    models = [m.strip() for m in args.models.split(",") if m.strip()]
+    try:
+        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
+    except ValueError:
+        print(f"error: --batch-sizes must be comma-separated integers, got {args.batch_sizes!r}", file=sys.stderr)
+        return 2
+    if not models or not sizes or min(sizes) < 1 or args.context < 1 or args.decode_steps < 1:
+        print("error: need models, batch sizes >= 1, --context >= 1 and --decode-steps >= 1", file=sys.stderr)
+        return 2
+    try:
+        calib = run_calibration(args.url, models, sizes, context=args.context, decode_steps=args.decode_steps,
+                                timeout_s=args.timeout_s)
+    except Exception as exc:  # noqa: BLE001 - server refused / unreachable: report, exit non-zero
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    text = json.dumps(calib, indent=1)
     if args.output:
         with open(args.output, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
@@ -137,7 +204,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .system import System
 
     system = System.from_profile(load_profile(args.profile))
-    res = simulate(system, args.thresholds, events=args.events, seed=args.seed)
+    wait = None
+    if args.max_wait_us:
+        unknown = set(args.max_wait_us) - set(system.models)
+        if unknown:
+            print(f"error: --max-wait-us names unknown models {sorted(unknown)}", file=sys.stderr)
+            return 2
+        wait = [args.max_wait_us[m] / 1e6 if m in args.max_wait_us else None for m in system.models]
+    res = simulate(system, args.thresholds, events=args.events, seed=args.seed, max_wait_s=wait)
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
     else:
@@ -151,7 +225,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return {"solve": cmd_solve, "profile": cmd_profile, "simulate": cmd_simulate}[args.cmd](args)
+        return {"solve": cmd_solve, "profile": cmd_profile, "simulate": cmd_simulate,
+                "calibrate": cmd_calibrate}[args.cmd](args)
     except SchedulerModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -197,6 +197,9 @@ class OnlineAdapter:
                         P[i] = [Pp[pidx[m], pidx[x]] for x in self.models]
                         C[i] = [Cp[pidx[m], pidx[x]] for x in self.models]
                         prof["step_latency_s"][m] = prev["step_latency_s"][m]
+                        prev_model = (prev.get("step_latency_model") or {}).get(m)
+                        if prev_model is not None:
+                            prof.setdefault("step_latency_model", {})[m] = prev_model
                 prof["transition"] = P.tolist()
                 prof["committed_tokens"] = C.tolist()
         prof = dict(prof)

@@ -6,6 +6,8 @@ PROFILE.json (what ``python -m scheduler_model solve --profile`` reads)::
      "concurrency": 4,                          # N, closed population of requests
      "step_latency_s": {"slm": 0.006,           # L_i in s: a number, or a table by batch size b
                         "llm": {"1": 0.027, "2": 0.028}},
+     "step_latency_model": {"llm": {…}},        # optional, fitted model; takes precedence over
+                                                # step_latency_s for that model (see below)
      "transition": [[0.65, 0.35], [1.0, 0.0]],  # P = [p_ij], rows sum to 1, p_ii = stays
      "committed_tokens": [[1, 0], [1, 0]],      # C = [c_ij], tokens committed by a move i → j
      "quantum_s": 0.0001,                       # optional, δ of the DTMC (default 1e-4 s)
@@ -16,7 +18,8 @@ PROFILE.json (what ``python -m scheduler_model solve --profile`` reads)::
 
 Routing event log (JSON Lines, written by the serving side)::
 
-    {"event": "step", "model": "slm", "batch_size": 3, "latency_s": 0.0061, "tokens_committed": 3, "t": …}
+    {"event": "step", "model": "slm", "batch_size": 3, "latency_s": 0.0061, "tokens_committed": 3,
+     "extend_tokens": 0, "t": …}
     {"event": "handoff", "request_id": "abc", "step": 17, "from": "slm", "to": "llm",
      "tokens_committed": 0, "t": …}
 
@@ -27,7 +30,15 @@ and handoffs(i→j) the number of handoff events i → j:
 * c_ij = mean tokens_committed of the handoffs i → j (0 if there were none: p_ij = 0 then);
   c_ii = (Σ step tokens_committed − Σ handoff tokens_committed from i) /
   (request-steps(i) − Σ_j handoffs(i→j)).
-* L_i(b) = median latency_s of model i's steps with batch size b, as a table {b: seconds}.
+* Step latency: a :class:`scheduler_model.latency.StepLatencyModel` per model, a robust
+  monotone non-negative least-squares fit of ``latency_s`` in rows (``batch_size``) and extend
+  work (``extend_tokens``, 0 if absent), plus the workload's extend mix (q, x̄); written as
+  ``step_latency_model`` {model: object} (format in :mod:`scheduler_model.latency`).
+  ``step_latency_s`` is then its expected L̄_i(b) for b = 1 … N, for reading (a profile that
+  has a model for a model uses the model, for every b up to the max batch, whatever N);
+  ``step_latency_observed_s`` keeps the median latency by batch size (diagnostics only).
+  Profiles with only numbers or tables (older ones) still load; tables grow beyond their
+  largest key at their marginal cost (:mod:`scheduler_model.system`).
 * run_lengths (optional, for the simulator): for each request, the difference of the ``step``
   fields of two consecutive handoffs (arrival at j, departure from j) is one visit of that many
   steps at j. ``step`` is read as the request's own decode-step counter. The first visit (start
@@ -47,6 +58,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .errors import EventLogError, ProfileError
+from .latency import calibration_points, fit_step_latency
 from .system import DEFAULT_QUANTUM_S, System
 
 
@@ -97,7 +109,8 @@ def _field(ev: Mapping[str, Any], name: str, kinds: tuple, where: str) -> Any:
 def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models: Sequence[str],
                         concurrency: int, quantum_s: float = DEFAULT_QUANTUM_S, *,
                         fixed_thresholds: Optional[Mapping[str, int]] = None,
-                        run_lengths: bool = True, _allow_missing: bool = False) -> Dict[str, Any]:
+                        run_lengths: bool = True, calibration: Optional[Mapping[str, Any]] = None,
+                        _allow_missing: bool = False) -> Dict[str, Any]:
     """Estimate a PROFILE.json dict from routing events (estimators in the module docstring).
 
     Args:
@@ -107,6 +120,8 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
         quantum_s: δ for the profile (s).
         fixed_thresholds: copied into the profile if given.
         run_lengths: derive the optional "run_lengths" field.
+        calibration: a calibration object (``python -m scheduler_model calibrate``); its steps
+            join the event steps in each model's latency fit (not in q and x̄).
     Returns:
         A profile dict accepted by :meth:`System.from_profile`.
     Raises:
@@ -122,6 +137,7 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
     hand = np.zeros((M, M))
     hand_tok = np.zeros((M, M))
     lat: List[Dict[int, List[float]]] = [defaultdict(list) for _ in range(M)]
+    steps_obs: List[List[tuple]] = [[] for _ in range(M)]  # (batch_size, extend_tokens, latency_s)
     visits: Dict[Any, List[tuple]] = defaultdict(list)
 
     for n, ev in enumerate(events, 1):
@@ -145,10 +161,14 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
             tok = _field(ev, "tokens_committed", (int, float), where)
             if b < 1 or L <= 0 or tok < 0 or not math.isfinite(L):
                 raise EventLogError(f"{where}: need batch_size >= 1, latency_s > 0, tokens_committed >= 0")
+            ext = ev.get("extend_tokens", 0)
+            if isinstance(ext, bool) or not isinstance(ext, (int, float)) or ext < 0:
+                raise EventLogError(f"{where}: field 'extend_tokens' must be a number >= 0")
             i = idx[m]
             req_steps[i] += b
             step_tokens[i] += tok
             lat[i][b].append(float(L))
+            steps_obs[i].append((b, float(ext), float(L)))
         elif kind == "handoff":
             src = _field(ev, "from", (str,), where)
             dst = _field(ev, "to", (str,), where)
@@ -181,11 +201,22 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
     stays = req_steps - hand.sum(axis=1)
     diag = np.divide(step_tokens - hand_tok.sum(axis=1), stays, out=np.zeros(M), where=stays > 0)
     np.fill_diagonal(C, np.maximum(diag, 0.0))
+    lat_models = {}
+    for i, m in enumerate(models):
+        if not steps_obs[i]:
+            continue
+        eb, ee, el = (list(c) for c in zip(*steps_obs[i]))
+        cb, ce, cl = calibration_points(calibration, m) if calibration else ([], [], [])
+        lat_models[m] = fit_step_latency(eb + cb, ee + ce, el + cl, workload=(eb, ee),
+                                         source_counts={"events": len(eb), "calibration": len(cb)})
     profile: Dict[str, Any] = {
         "models": models,
         "concurrency": int(concurrency),
-        "step_latency_s": {m: {str(b): float(np.median(v)) for b, v in sorted(lat[i].items())}
-                           for i, m in enumerate(models)},
+        "step_latency_s": {m: {str(b): round(L, 6) for b, L in lat_models[m].table(int(concurrency)).items()}
+                           for m in models if m in lat_models},
+        "step_latency_model": {m: lm.to_json() for m, lm in lat_models.items()},
+        "step_latency_observed_s": {m: {str(b): float(np.median(v)) for b, v in sorted(lat[i].items())}
+                                    for i, m in enumerate(models) if lat[i]},
         "transition": P.tolist(),
         "committed_tokens": C.tolist(),
         "quantum_s": float(quantum_s),

@@ -8,8 +8,10 @@ Methods:
 * ``"exact-dtmc"`` — T(B) from the exact chain (:mod:`scheduler_model.dtmc`) for every feasible B.
 * ``"crn-racing"`` — simulation-based search with common random numbers
   (:func:`scheduler_model.approx.crn_race`), for N where the exact chains are too big or too many.
-* ``"auto"`` (default) — exact if every chain stays within ``max_states`` and the estimated total
-  time (first chain's time × number of feasible B) is within ``time_budget_s``; else crn-racing.
+* ``"auto"`` (default) — exact if the first chain has at most ``probe_max_states`` states, every
+  chain stays within ``max_states`` and the estimated total time (first chain's time × number of
+  feasible B) is within ``time_budget_s``; else crn-racing. The JSON's ``method`` and ``notes``
+  say which ran and why.
 
 Ties (|ΔT| ≤ 1e-9 relative) go to the earlier B in lexicographic order, i.e. the smaller
 thresholds.
@@ -147,7 +149,8 @@ def search_exact(system: System, *, max_states: int = dtmc.DEFAULT_MAX_STATES,
 
 
 def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_000,
-                time_budget_s: float = 20.0, seed: int = 0, **race_kwargs: Any) -> SearchResult:
+                time_budget_s: float = 20.0, seed: int = 0, probe_max_states: int = 10_000,
+                **race_kwargs: Any) -> SearchResult:
     """Find B* = argmax over feasible B of T(B).
 
     Args:
@@ -155,6 +158,9 @@ def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_0
         method: "auto", "exact" or "crn-racing" (module docstring).
         max_states: per-chain state limit for the exact method.
         time_budget_s: auto only — exact is used if (first chain's time × #candidates) fits.
+        probe_max_states: auto only — if the first chain has more states than this (and there
+            is more than one candidate), crn-racing is used without solving it (the stationary
+            solve of a chain of ~45 000 states can take minutes).
         seed: random seed of crn-racing.
         race_kwargs: passed to :func:`scheduler_model.approx.crn_race`.
     Returns:
@@ -173,7 +179,14 @@ def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_0
     if method == "auto":
         t0 = time.perf_counter()
         try:
-            first = dtmc.throughput(system, cands[0], max_states=max_states, on_periodic="ignore")
+            probe = dtmc.build_chain(system, cands[0], max_states=max_states)
+            if probe.n_states > probe_max_states and len(cands) > 1:
+                notes.append(f"exact chain at B={system.thresholds_dict(cands[0])} has {probe.n_states} states "
+                             f"(> {probe_max_states}) for {len(cands)} candidates; switched to crn-racing")
+                res = approx.crn_race(system, candidates=cands, seed=seed, **race_kwargs)
+                res.notes = notes + res.notes
+                return res
+            first = dtmc.solve(probe, on_periodic="ignore")
             est = (time.perf_counter() - t0) * len(cands)
             if est <= time_budget_s:
                 try:

@@ -83,7 +83,8 @@ class _Uniforms:
 def simulate(system: System, B: Any, *, events: int = 100_000, warmup_events: Optional[int] = None,
              seed: int = 0, run_lengths: Optional[Sequence[Optional[Tuple[np.ndarray, np.ndarray]]]] = None,
              n_batches: int = 20, start_model: int = 0,
-             emit_event: Optional[Callable[[Dict[str, Any]], None]] = None, t0_s: float = 0.0) -> SimResult:
+             emit_event: Optional[Callable[[Dict[str, Any]], None]] = None, t0_s: float = 0.0,
+             max_wait_s: Optional[Sequence[Optional[float]]] = None) -> SimResult:
     """Simulate the closed system for thresholds B and estimate T(B) in tokens/s.
 
     Args:
@@ -100,6 +101,10 @@ def simulate(system: System, B: Any, *, events: int = 100_000, warmup_events: Op
             included: ``step`` events carry the quantised latency, ``handoff`` events the request's
             own step counter; ``t`` = t0_s + simulated seconds.
         t0_s: time origin of emitted events (s).
+        max_wait_s: per model None or the server's delayed-batching wait bound
+            (``delayed_batch_max_wait_us`` / 1e6, s): an idle model also starts a batch of
+            all its queued requests once the oldest has waited this long (rounded to quanta).
+            Not in the DTMC; None everywhere (default) is the DTMC's rule.
     Returns:
         :class:`SimResult`.
     Raises:
@@ -154,9 +159,23 @@ def simulate(system: System, B: Any, *, events: int = 100_000, warmup_events: Op
     steps = [0] * M
     batch_sum = [0] * M
 
+    enq_t = [0] * N  # quantum at which each request joined its current queue (wait bound)
+    wq: List[Optional[int]] = [None] * M
+    if max_wait_s is not None:
+        if len(max_wait_s) != M:
+            raise ProfileError(f"max_wait_s needs one entry (or None) per model, got {len(max_wait_s)}")
+        for i, w in enumerate(max_wait_s):
+            if w is not None:
+                if not w >= 0:
+                    raise ProfileError(f"max_wait_s of {system.models[i]!r} must be >= 0 s, got {w!r}")
+                wq[i] = int(round(w / q.quantum_s))
+
+    def waited(i: int) -> bool:
+        return wq[i] is not None and bool(queues[i]) and t - enq_t[queues[i][0]] >= wq[i]
+
     def start_idle() -> None:
         for i in range(M):
-            if running[i] is None and len(queues[i]) >= Bv[i]:
+            if running[i] is None and (len(queues[i]) >= Bv[i] or waited(i)):
                 nb = min(len(queues[i]), cap[i])
                 qi = queues[i]
                 running[i] = [qi.popleft() for _ in range(nb)]
@@ -179,6 +198,14 @@ def simulate(system: System, B: Any, *, events: int = 100_000, warmup_events: Op
             marks_t.append(t)
             marks_tok.append(tokens)
         tn = min((f for f in finish if f is not None), default=INF)
+        while True:  # wait-bound starts before the next completion (not completion instants)
+            tw = min((enq_t[queues[i][0]] + wq[i] for i in range(M)
+                      if wq[i] is not None and running[i] is None and queues[i]), default=INF)
+            if tw >= tn or tw == INF:
+                break
+            t = tw
+            start_idle()
+            tn = min((f for f in finish if f is not None), default=INF)
         if tn == INF:
             raise DeadlockError(f"deadlock in simulation: all models idle, queues "
                                 f"{[len(x) for x in queues]} below B={Bv.tolist()}")
@@ -236,6 +263,7 @@ def simulate(system: System, B: Any, *, events: int = 100_000, warmup_events: Op
                                         "t": ts})
         for rid, j in moves:
             queues[j].append(rid)
+            enq_t[rid] = t
         start_idle()
     marks_t.append(t)
     marks_tok.append(tokens)

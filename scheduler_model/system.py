@@ -18,11 +18,15 @@ Follows the TokenRouter paper's DTMC section (delayed batching, "DTMC for B*"):
 Time is discretised by a quantum δ (``quantum_s``): L_i(b) = d_i(b)·δ with
 d_i(b) = max(1, round(L_i(b) / δ)) quanta.
 
-Latency tables: a table {b: L} is looked up exactly where b is a key, by linear
-interpolation between the neighbouring keys inside the table, with the smallest key's value
-below it and — documented choice — **the largest key's value for every b beyond the table**
-(no extrapolation: measured tables usually end at the largest batch seen, and extrapolating a
-noisy slope can give negative or absurd latencies).
+Step latency: either a fitted model (PROFILE.json ``step_latency_model``,
+:mod:`scheduler_model.latency`: monotone in rows and extend tokens, never flat beyond the data),
+which :meth:`System.from_profile` turns into its expected L̄_i(b) for every b = 1 … max batch,
+or a number (a constant L_i, the paper's setting) or a table {b: L}. A table is looked up
+exactly where b is a key, by linear interpolation between neighbouring keys, with the smallest
+key's value below it, and beyond the largest key it grows linearly with slope
+max(last segment's slope, mean slope of the table, 1 % of the last value per row): a table
+never extrapolates flat (a batch is only free if measurements say so). A single-key table is
+a constant, like a number.
 """
 
 from __future__ import annotations
@@ -72,6 +76,8 @@ class System:
             empirical distribution of steps a request spends at the model per visit (simulator
             only; the DTMC assumes geometric run lengths, a limit the paper names).
         fixed_thresholds: {model name: B_i} held fixed during the B* search.
+        latency_models: per model the fitted :class:`scheduler_model.latency.StepLatencyModel`
+            its table came from, or None (a number or a measured table).
     """
 
     models: Tuple[str, ...]
@@ -83,6 +89,7 @@ class System:
     max_batch: Optional[Tuple[int, ...]] = None
     run_lengths: Optional[List[Optional[Tuple[np.ndarray, np.ndarray]]]] = None
     fixed_thresholds: Dict[str, int] = dataclasses.field(default_factory=dict)
+    latency_models: Optional[List[Any]] = None
 
     def __post_init__(self) -> None:
         self.models = tuple(str(m) for m in self.models)
@@ -138,6 +145,12 @@ class System:
             if not isinstance(B, (int, np.integer)) or isinstance(B, bool) or B < 1:
                 raise ProfileError(f"fixed threshold of {name!r} must be an integer >= 1, got {B!r}")
         self.fixed_thresholds = {k: int(v) for k, v in self.fixed_thresholds.items()}
+        if self.latency_models is not None:
+            if len(self.latency_models) != M:
+                raise ProfileError("latency_models must have one entry (or None) per model")
+            for i, lm in enumerate(self.latency_models):
+                if lm is not None and max(self.latency[i]) < self.max_batch[i]:
+                    self.latency[i] = lm.table(self.max_batch[i])  # e.g. after with_(concurrency=…)
         if self.run_lengths is not None and len(self.run_lengths) != M:
             raise ProfileError("run_lengths must have one entry (or None) per model")
 
@@ -168,7 +181,11 @@ class System:
         if b <= keys[0]:
             return tab[keys[0]]
         if b >= keys[-1]:
-            return tab[keys[-1]]
+            if len(keys) == 1:
+                return tab[keys[-1]]
+            k0, k1, k2 = keys[0], keys[-2], keys[-1]
+            slope = max((tab[k2] - tab[k1]) / (k2 - k1), (tab[k2] - tab[k0]) / (k2 - k0), 0.01 * tab[k2])
+            return tab[k2] + slope * (b - k2)
         hi = next(k for k in keys if k > b)
         lo = max(k for k in keys if k < b)
         w = (b - lo) / (hi - lo)
@@ -250,8 +267,17 @@ class System:
         lat_field = profile["step_latency_s"]
         if not isinstance(lat_field, Mapping):
             raise ProfileError("'step_latency_s' must be an object {model: seconds | {batch: seconds}}")
+        model_field = profile.get("step_latency_model") or {}
+        if not isinstance(model_field, Mapping):
+            raise ProfileError("'step_latency_model' must be an object {model: latency model}")
+        unknown = set(model_field) - set(models)
+        if unknown:
+            raise ProfileError(f"'step_latency_model' names unknown models {sorted(unknown)}")
         latency = []
         for m in models:
+            if m in model_field:
+                latency.append(None)  # filled from the model below, once max_batch is known
+                continue
             if m not in lat_field:
                 raise ProfileError(f"'step_latency_s' lacks model {m!r}")
             v = lat_field[m]
@@ -287,6 +313,22 @@ class System:
             if not isinstance(rl, Mapping):
                 raise ProfileError("'run_lengths' must be an object {model: [lengths] | {length: weight}}")
             run_lengths = [parse_run_lengths(rl[m], m) if m in rl else None for m in models]
+        lat_models = None
+        if model_field:
+            from .latency import StepLatencyModel
+
+            conc = profile["concurrency"]
+            lat_models = []
+            for i, m in enumerate(models):
+                if m not in model_field:
+                    lat_models.append(None)
+                    continue
+                lm = StepLatencyModel.from_json(model_field[m], m)
+                lat_models.append(lm)
+                if isinstance(conc, bool) or not isinstance(conc, (int, np.integer)) or conc < 1:
+                    conc = 1  # concurrency is validated (with its own message) by the constructor
+                top = min(max_batch[i], conc) if max_batch is not None else conc
+                latency[i] = lm.table(max(1, min(int(top), 100_000)))
         fixed = profile.get("fixed_thresholds") or {}
         if not isinstance(fixed, Mapping):
             raise ProfileError("'fixed_thresholds' must be an object {model: B}")
@@ -300,6 +342,7 @@ class System:
             max_batch=max_batch,
             run_lengths=run_lengths,
             fixed_thresholds=dict(fixed),
+            latency_models=lat_models,
         )
 
 

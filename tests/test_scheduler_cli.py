@@ -168,8 +168,8 @@ def test_profile_from_events_estimators():
     C = np.array(prof["committed_tokens"])
     np.testing.assert_allclose(P, [[1 - 3 / 8, 3 / 8], [3 / 4, 1 - 3 / 4]])
     np.testing.assert_allclose(C, [[(8 - 0) / (8 - 3), 0.0], [1.0, (4 - 3) / (4 - 3)]])
-    assert prof["step_latency_s"]["slm"] == {"2": 0.007, "3": 0.007}   # median of 0.006, 0.008
-    assert prof["step_latency_s"]["llm"] == {"1": 0.028, "2": 0.028}
+    assert prof["step_latency_observed_s"]["slm"] == {"2": 0.007, "3": 0.007}   # median of 0.006, 0.008
+    assert prof["step_latency_observed_s"]["llm"] == {"1": 0.028, "2": 0.028}
     # request a: slm->llm at 5, llm->slm at 6 (1 step at llm), slm->llm at 10 (4 steps at slm)
     assert prof["run_lengths"] == {"slm": {"4": 1}, "llm": {"1": 2}}
     System.from_profile(prof)

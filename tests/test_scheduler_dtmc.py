@@ -170,7 +170,12 @@ def test_latency_table_lookup():
     assert s.latency_s(0, 1) == 0.01
     assert s.latency_s(0, 2) == pytest.approx(0.02)      # linear between keys
     assert s.latency_s(0, 8) == 0.05
-    assert s.latency_s(0, 12) == 0.05                    # beyond the table: largest entry
+    # beyond the table: grows at max(last segment's slope 0.004, mean slope 0.04/7) per row, never flat
+    assert s.latency_s(0, 12) == pytest.approx(0.05 + 4 * 0.04 / 7)
+    flat = System(models=("m",), concurrency=16, latency=[{1: 0.01, 2: 0.01}], P=[[1.0]], C=[[1.0]])
+    assert flat.latency_s(0, 12) == pytest.approx(0.01 + 10 * 0.01 * 0.01)   # floor: 1 % of L per row
+    const = System(models=("m",), concurrency=16, latency=[{1: 0.01}], P=[[1.0]], C=[[1.0]])
+    assert const.latency_s(0, 12) == 0.01                # one key = a constant L, as a number
 
 
 def test_state_limit():

@@ -73,3 +73,17 @@ def test_simulator_conserves_population_and_batches():
     sim = simulate(system, B, events=5000, seed=3)
     assert all(0 < mb <= system.N for mb in sim.mean_batch)
     assert sim.mean_batch[0] >= B[0] and sim.mean_batch[2] >= B[2]
+
+
+def test_wait_bound_limits_the_delay():
+    """The server's delayed_batch_max_wait_us: 0 makes any B behave as B = 1, an endless one changes nothing."""
+    system = System(models=("a", "b"), concurrency=4, latency=[{1: 0.004, 4: 0.006}, {1: 0.02, 4: 0.024}],
+                    P=[[0.8, 0.2], [0.6, 0.4]], C=[[1, 0], [1, 0]], quantum_s=1e-3)
+    eager = simulate(system, (1, 1), events=3000, seed=5)
+    zero = simulate(system, (1, 3), events=3000, seed=5, max_wait_s=[None, 0.0])
+    assert zero.throughput_tokens_per_s == pytest.approx(eager.throughput_tokens_per_s, rel=1e-12)
+    plain = simulate(system, (1, 3), events=3000, seed=5)
+    endless = simulate(system, (1, 3), events=3000, seed=5, max_wait_s=[None, 1e6])
+    assert endless.throughput_tokens_per_s == pytest.approx(plain.throughput_tokens_per_s, rel=1e-12)
+    bounded = simulate(system, (1, 3), events=3000, seed=5, max_wait_s=[None, 0.01])
+    assert bounded.mean_batch[1] < plain.mean_batch[1]

@@ -1,4 +1,4 @@
-"""Operator calls to a model subserver (``stats``, ``configure``, ``release``) over Triton gRPC.
+"""Operator calls to a model subserver (``stats``, ``configure``, ``calibrate``, ``release``) over Triton gRPC.
 
 The LLM models are decoupled, so each call is one request on a gRPC stream
 answered by one final response whose ``event`` output is JSON.
@@ -8,6 +8,10 @@ Command line (prints JSON)::
     python -m tokenrouter.admin stats                       # slm and llm at localhost:8001
     python -m tokenrouter.admin stats --models llm --url host:8001
     python -m tokenrouter.admin configure --models llm '{"delayed_batch_size": 2}'
+    python -m tokenrouter.admin calibrate --models slm,llm '{"batch_sizes": [1, 2, 4, 8], "context": 256}'
+
+(``python -m scheduler_model calibrate`` does the same and writes the file its ``profile`` and
+``solve`` take with ``--calibration``.)
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["model_op", "model_stats", "configure", "main"]
+__all__ = ["model_op", "model_stats", "configure", "calibrate", "main"]
 
 
 def model_op(url: str, model: str, op: str, payload: Optional[Dict[str, Any]] = None,
@@ -64,19 +68,44 @@ def configure(url: str, model: str, **settings: Any) -> Dict[str, Any]:
     return model_op(url, model, "configure", settings)
 
 
+def calibrate(url: str, model: str, batch_sizes=(1, 2, 4, 8), context: int = 256, decode_steps: int = 8,
+              timeout_s: float = 3600.0) -> Dict[str, Any]:
+    """Time synthetic steps of ``model`` at each batch size (the model's ``calibrate`` op).
+
+    The model must be idle (no request running or pending). Returns the op's answer:
+    ``{"kind": "calibration", "model", "context", "decode_steps", "table": [{"batch_size",
+    "decode_latency_s" (list, s), "decode_median_s", "resume_latency_s", "resume_extend_tokens",
+    "prefill"}], "seconds", "kv_tokens_in_use_after", "kv_rows_in_use_after"}``.
+
+    Raises:
+        RuntimeError: the model refused (busy, KV pool too small, bad arguments).
+    """
+    return model_op(url, model, "calibrate", {"batch_sizes": [int(b) for b in batch_sizes],
+                                               "context": int(context), "decode_steps": int(decode_steps)},
+                    timeout_s=timeout_s)
+
+
 def main(argv=None) -> int:
     """CLI: ``stats`` or ``configure`` for each of ``--models``; prints ``{model: answer}`` as JSON."""
     import argparse
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.admin", description=__doc__.split("\n\n")[0])
-    ap.add_argument("op", choices=["stats", "configure"])
+    ap.add_argument("op", choices=["stats", "configure", "calibrate"])
     ap.add_argument("settings", nargs="?", default="",
-                    help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'")
+                    help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'; "
+                         "calibrate: optional JSON {\"batch_sizes\": [...], \"context\": C, \"decode_steps\": K}")
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
     ap.add_argument("--models", default="slm,llm", help="comma-separated LLM models (default slm,llm)")
     a = ap.parse_intermixed_args(argv)
     settings: Dict[str, Any] = {}
+    if a.op == "calibrate":
+        try:
+            settings = json.loads(a.settings or "{}")
+        except json.JSONDecodeError as e:
+            ap.error(f"calibrate takes a JSON object: {e}")
+        if not isinstance(settings, dict) or set(settings) - {"batch_sizes", "context", "decode_steps"}:
+            ap.error("calibrate takes a JSON object with batch_sizes, context, decode_steps")
     if a.op == "configure":
         try:
             settings = json.loads(a.settings)
@@ -87,7 +116,12 @@ def main(argv=None) -> int:
     out: Dict[str, Any] = {}
     try:
         for m in [x.strip() for x in a.models.split(",") if x.strip()]:
-            out[m] = model_stats(a.url, m) if a.op == "stats" else configure(a.url, m, **settings)
+            if a.op == "stats":
+                out[m] = model_stats(a.url, m)
+            elif a.op == "calibrate":
+                out[m] = calibrate(a.url, m, **settings)
+            else:
+                out[m] = configure(a.url, m, **settings)
     except Exception as e:  # noqa: BLE001 - a CLI: report and exit non-zero
         print(json.dumps(out, indent=1))
         print(f"error: {e}", file=sys.stderr)

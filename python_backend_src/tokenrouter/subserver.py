@@ -160,6 +160,34 @@ class Subserver:
             raise box["e"]
         return box["v"]
 
+    def calibrate(self, batch_sizes: List[int], context: int = 256, decode_steps: int = 8,
+                  timeout: float = 3600.0) -> Dict[str, Any]:
+        """Time synthetic steps at controlled batch sizes on the loop thread (step-latency calibration).
+
+        Runs :meth:`tokenrouter.engine.SGLangEngine.calibrate` between two steps of the decode
+        loop, so no real step overlaps it; requests arriving meanwhile wait in the inbox.
+
+        Returns:
+            ``{"model", "context", "decode_steps", "table": [...], "seconds",
+            "kv_tokens_in_use_after", "kv_rows_in_use_after"}`` (table rows: see
+            ``SGLangEngine.calibrate``; times in seconds).
+        Raises:
+            RuntimeError: the model holds requests (running, pending or waiting for KV).
+            ValueError: bad arguments or the KV pool cannot hold the largest batch.
+            TimeoutError: the loop did not finish within ``timeout`` seconds.
+        """
+        def job():
+            if self.requests or self.waiting:
+                raise RuntimeError(f"model {self.name} holds {len(self.requests) + len(self.waiting)} "
+                                   "requests: calibration runs only on an idle model")
+            t0 = time.perf_counter()
+            table = self.engine.calibrate(batch_sizes, context=context, decode_steps=decode_steps)
+            return {"model": self.name, "context": int(context), "decode_steps": int(decode_steps),
+                    "table": table, "seconds": time.perf_counter() - t0,
+                    "kv_tokens_in_use_after": self.engine.kv_tokens_in_use(),
+                    "kv_rows_in_use_after": self.engine.rows_in_use()}
+        return self.call(job, timeout=timeout)
+
     def stats(self) -> Dict[str, Any]:
         """Counters and KV usage, read on the loop thread (consistent snapshot).
 

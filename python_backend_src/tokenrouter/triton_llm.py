@@ -9,9 +9,12 @@ Triton wire protocol (clients normally talk to ``token_router``):
 
 Inputs
     ``request_id`` BYTES [1]   request id
-    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint`` or ``configure``
+    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint``, ``configure``
                                (``peer_req`` then holds scheduling settings to change
                                at run time, e.g. {"delayed_batch_size": B}: see _configure)
+                               or ``calibrate`` (``peer_req``: {"batch_sizes", "context",
+                               "decode_steps"}; times synthetic steps on an idle model:
+                               see _start_calibration)
     ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
     ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.protocol.PeerReq`)
 
@@ -201,7 +204,7 @@ class TritonPythonModel:
             try:
                 rid = _str_input(request, "request_id")
                 op = _str_input(request, "op", "run") or "run"
-                if not rid and op not in ("stats", "endpoint", "configure"):
+                if not rid and op not in ("stats", "endpoint", "configure", "calibrate"):
                     raise ValueError("request_id is required")
                 if op == "release":
                     self.subserver.release(rid)
@@ -209,6 +212,8 @@ class TritonPythonModel:
                 elif op == "configure":
                     self._configure(json.loads(_str_input(request, "peer_req", "{}") or "{}"))
                     sender.send(self._response([], {"kind": "configured"}), flags=_FINAL)
+                elif op == "calibrate":
+                    self._start_calibration(json.loads(_str_input(request, "peer_req", "{}") or "{}"), sender)
                 elif op == "stats":
                     sender.send(self._response([], {"kind": "stats", **self.subserver.stats()}), flags=_FINAL)
                 elif op == "endpoint":
@@ -222,10 +227,45 @@ class TritonPythonModel:
                         pr.rid = rid
                     self.subserver.submit(pr, self._make_sink(sender))
                 else:
-                    raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure or endpoint")
+                    raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure, calibrate "
+                                     "or endpoint")
             except Exception as e:  # noqa: BLE001 - answer this request only
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
         return None
+
+    def _start_calibration(self, cfg: Dict[str, Any], sender) -> None:
+        """Op ``calibrate``: time synthetic steps (:meth:`Subserver.calibrate`) and answer with the table.
+
+        ``peer_req`` holds ``{"batch_sizes": [1, 2, 4, …], "context": 256, "decode_steps": 8}``
+        (defaults: 1, 2, 4, 8; 256; 8). Runs in its own thread, so ``execute`` returns at once;
+        the answer is one final response, event ``{"kind": "calibration", …}``, or an error
+        (model not idle, KV pool too small, bad arguments).
+
+        Raises:
+            ValueError: malformed arguments (answered as that request's error).
+        """
+        if not isinstance(cfg, dict):
+            raise ValueError("calibrate expects a JSON object")
+        unknown = set(cfg) - {"batch_sizes", "context", "decode_steps"}
+        if unknown:
+            raise ValueError(f"unknown calibrate keys {sorted(unknown)}; allowed: batch_sizes, context, decode_steps")
+        bs = cfg.get("batch_sizes", [1, 2, 4, 8])
+        if not isinstance(bs, list) or not bs or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
+                                                     for b in bs):
+            raise ValueError("batch_sizes must be a non-empty list of integers >= 1")
+        ctx, steps = cfg.get("context", 256), cfg.get("decode_steps", 8)
+        for name, v in (("context", ctx), ("decode_steps", steps)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1")
+
+        def run() -> None:
+            try:
+                res = self.subserver.calibrate(bs, context=ctx, decode_steps=steps)
+                sender.send(self._response([], {"kind": "calibration", **res}), flags=_FINAL)
+            except Exception as e:  # noqa: BLE001 - answer this request only
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"calibrate: {e}")), flags=_FINAL)
+
+        threading.Thread(target=run, name=f"calibrate-{self.name}", daemon=True).start()
 
     @staticmethod
     def _response(tokens: List[int], event: Dict[str, Any]):
