@@ -54,7 +54,8 @@ tokenrouter, eager-async, lock-step and std-serving requests of 48 tokens take
 about 5-15 s at N = 8-32 on the size-realistic pair, llm-only ones up to
 ~30 s at N = 32.  So ``--pairs size-realistic --concurrency 8,32 --max-tokens
 48 --duration 60`` (13 Triton cells + 2 no-Triton cells) takes about
-13 × (60 + 20) s + 2 × 80 s + 2 min of server start ≈ 22 min, and the
+6 × 70 s (N = 8) + 6 × 95 s (N = 32) + 3.5 min (no-Triton, with its start)
++ 2.5 min (server start, DTMC solves) ≈ 23 min, and the
 default command (2 pairs × 3 N × 2 lengths × 7 modes = 84 cells of 12 s, mostly
 short requests: 84 × (12 + ~6) s + 3 min) about 28 min.
 
@@ -187,7 +188,7 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
         return row
     load = SteadyLoad(target, prompts, N, L, model=model, tokenizer=tokenizer).start()
     try:
-        m = load.measure(args.duration, args.windows, probe=probe, min_warmup_s=args.warmup_s)
+        m = load.measure(args.duration, args.windows, probe=probe, min_warmup_s=args.warmup_s, since=load.t_started)
     finally:
         recs = load.stop()
     row = window_summary(recs, m["bounds"], probes=m["probes"])
@@ -231,7 +232,6 @@ def router_algorithm(pair: str, override: Dict[str, Any]) -> tuple:
     if base is None:
         base = rp["algorithm_params"].string_value if "algorithm_params" in rp else ""
     return algo, {**json.loads(base or "{}"), **override}
-
 
 
 def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:

@@ -76,13 +76,14 @@ def _fmt_B(B: Dict[str, int]) -> str:
     return ",".join(f"{m}={int(B[m])}" for m in MODELS)
 
 
-def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str], out_dir: str) -> Dict[str, Any]:
-    """Eager profile, DTMC solve and the coordinate sweep at one N (the load is already running)."""
+def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str], start: Dict[str, int],
+                out_dir: str) -> Dict[str, Any]:
+    """Eager profile, DTMC solve and the coordinate sweep at one N.
+
+    The models must be in eager mode (:data:`RESET`) when ``load`` starts; the load keeps running
+    through every point.  Returns the report row (see :func:`markdown`)."""
     probe = lambda: {m: admin.model_stats(url, m) for m in MODELS}  # noqa: E731
-    for m in MODELS:
-        admin.configure(url, m, **RESET)
-    start = {m: _events_size(events[m]) for m in MODELS}
-    eager = load.measure(args.duration, args.windows, probe=probe)
+    eager = load.measure(args.duration, args.windows, probe=probe, since=load.t_started)
     lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
     eager_s = window_summary(load.snapshot(), eager["bounds"], probes=eager["probes"])
     sol = b_star_from_events(lines, N, out_dir)
@@ -198,9 +199,12 @@ def main(argv=None) -> int:
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(a.out, "tritonserver.log")) as srv:
         url = srv.grpc_url
         for N in Ns:
+            for m in MODELS:
+                admin.configure(url, m, **RESET)
+            start = {m: _events_size(events[m]) for m in MODELS}
             load = SteadyLoad(url, prompts, N, a.max_tokens, tokenizer=tok).start()
             try:
-                row = sweep_one_N(url, load, N, a, events, a.out)
+                row = sweep_one_N(url, load, N, a, events, start, a.out)
             finally:
                 load.stop()
             report["rows"].append(row)

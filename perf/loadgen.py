@@ -403,9 +403,11 @@ class SteadyLoad:
         self._threads: List[threading.Thread] = []
         self._next = 0
         self._last_start_done = [float("-inf")] * concurrency  # start time of each client's last finished request
+        self.t_started = float("nan")  # perf_counter time of start()
 
     def start(self) -> "SteadyLoad":
         """Start the N client threads."""
+        self.t_started = time.perf_counter()
         for c in range(self.N):
             th = threading.Thread(target=self._client, args=(c,), name=f"steady-client-{c}", daemon=True)
             th.start()
@@ -437,14 +439,19 @@ class SteadyLoad:
         return time.perf_counter()
 
     def measure(self, duration_s: float, windows: int = 3, probe: Optional[Callable[[], Dict]] = None,
-                min_warmup_s: float = 0.0, warm_timeout_s: float = 1800.0) -> Dict[str, Any]:
+                min_warmup_s: float = 0.0, warm_timeout_s: float = 1800.0,
+                since: Optional[float] = None) -> Dict[str, Any]:
         """Warm up, then measure ``windows`` consecutive windows of ``duration_s / windows`` each.
 
         Args:
             duration_s: length of the measurement period (s, > 0), warm-up excluded.
             windows: number of windows (>= 1).
             probe: called at every window boundary (e.g. model counters); its results are returned.
-            min_warmup_s: warm up at least this long (s), besides every client finishing a request.
+            min_warmup_s: warm up at least this long (s, counted from ``since``), besides every client
+                finishing a request.
+            since: the warm-up waits for every client to finish a request sent at or after this time
+                (perf_counter s; default: now).  Pass :attr:`t_started` for the first measurement of a
+                fresh load, whose first requests were sent before ``measure`` was called.
 
         Returns:
             ``{"bounds": [t0 … tW], "probes": [...] or None, "warmup_s": s}``; feed it with
@@ -452,19 +459,22 @@ class SteadyLoad:
         """
         if duration_s <= 0 or windows < 1:
             raise ValueError("duration_s must be > 0 and windows >= 1")
-        since = time.perf_counter()
+        since = time.perf_counter() if since is None else since
         self.wait_warm(since, warm_timeout_s)
         while time.perf_counter() < since + min_warmup_s:
             time.sleep(min(0.05, since + min_warmup_s - time.perf_counter()))
+        # a boundary is the time a probe returned: the models answer between steps, so their
+        # counters are read at the end of the step under way when the probe was sent
+        probes = [probe()] if probe else None
         t0 = time.perf_counter()
-        bounds, probes = [t0], ([probe()] if probe else None)
+        bounds = [t0]
         for w in range(1, windows + 1):
             target = t0 + duration_s * w / windows
             while (now := time.perf_counter()) < target:
                 time.sleep(min(0.05, target - now))
-            bounds.append(time.perf_counter())
             if probe:
                 probes.append(probe())
+            bounds.append(time.perf_counter())
         return {"bounds": bounds, "probes": probes, "warmup_s": t0 - since}
 
     def stop(self, timeout_s: float = 1800.0) -> List[Dict]:
