@@ -455,14 +455,18 @@ class SteadyLoad:
 
         Returns:
             ``{"bounds": [t0 … tW], "probes": [...] or None, "warmup_s": s}``; feed it with
-            :attr:`records` to :func:`window_summary`.
+            :meth:`snapshot` or :meth:`stop` records to :func:`window_summary`.
+
+        Raises:
+            ValueError: bad ``duration_s`` / ``windows``.
+            TimeoutError: the clients did not warm up within ``warm_timeout_s``.
         """
         if duration_s <= 0 or windows < 1:
             raise ValueError("duration_s must be > 0 and windows >= 1")
         since = time.perf_counter() if since is None else since
         self.wait_warm(since, warm_timeout_s)
-        while time.perf_counter() < since + min_warmup_s:
-            time.sleep(min(0.05, since + min_warmup_s - time.perf_counter()))
+        while (now := time.perf_counter()) < since + min_warmup_s:
+            time.sleep(min(0.05, since + min_warmup_s - now))
         # a boundary is the time a probe returned: the models answer between steps, so their
         # counters are read at the end of the step under way when the probe was sent
         probes = [probe()] if probe else None
