@@ -193,7 +193,8 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
         assert r["errors"] == 0, (mode, r)
         assert r["throughput_tok_s"] > 0 and r["N"] == 2 and r["max_tokens"] == 4, (mode, r)
         assert len(r["throughput_tok_s_windows"]) == 3 and r["throughput"]["n"] == 3, (mode, r)
-        assert r["e2e_p99_s"] >= r["e2e_p50_s"] > 0, (mode, r)
+        if r["requests_started"]:  # latencies of the requests that started in the period (maybe none here)
+            assert r["e2e_p99_s"] >= r["e2e_p50_s"] > 0, (mode, r)
     # every mode ran its own configuration: llm-only routes nothing to the SLM, tokenrouter got a B*
     assert rows["llm-only"]["llm_share"] == 1.0 and rows["llm-only"]["handoffs_per_request"] == 0
     assert rows["llm-only"]["busy_share"]["slm"]["max"] == 0.0 and rows["llm-only"]["busy_share"]["llm"]["mean"] > 0
