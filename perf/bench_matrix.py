@@ -18,17 +18,52 @@ no-triton       tokenrouter's engines, decode loops, ZeroMQ channel, router logi
                 per process): the limit the Triton path is measured against
 ==============  =============================================================
 
-Per cell (mode × concurrency N × max output tokens) it prints decode tokens/s,
-TTFT, ITL p50/p99, end-to-end latency, LLM token share and handoffs per request,
-then ratios of tokenrouter against each baseline.  Results: JSON, a markdown
-table and PNG plots under --out.
+Measurement (per cell: mode × concurrency N × max output tokens):
+
+* **steady state** (default, ``--duration SECONDS``), as genai-perf / aiperf
+  define it: N clients send requests back to back; a warm-up (until every
+  client has finished one request; ``--warmup-s`` sets a minimum) and the
+  drain are excluded; the measurement period is split into ``--windows``
+  (default 3) consecutive windows and each window's output-token throughput
+  counts the tokens streamed inside it, by their client-side arrival times
+  (``perf/loadgen.py``).  Reported: tokens/s and requests/s (mean over the
+  windows, 95 % confidence half-width and min–max), TTFT / ITL / end-to-end
+  latency at p50/p90/p99 of the requests that started in the period, LLM token
+  share, handoffs per request and each model's busy share of the period
+  (``step_time_s`` counters of ``admin.model_stats`` at the window
+  boundaries).  Ratios of tokenrouter against each baseline come with a 95 %
+  interval from the windows' spread; the SLM-only ceiling and the fraction of
+  it tokenrouter reaches, and e2e p99/p50, are in the tables.
+* **one shot** (``--one-shot``): every client sends ``--requests-per-client``
+  requests; throughput is all tokens over the cell's wall time (the slowest
+  request ends it), the older figure.
+
+The tokenrouter mode's B* (every model's threshold searched) comes from
+``python -m scheduler_model profile`` + ``solve`` on the routing events of the
+eager-async cell at the same (N, length), which runs just before it; its
+delayed-batching wait bound is ``--wait-factor`` × the SLM's mean step time in
+that cell.  Results: JSON, a markdown table and PNG plots under --out.
 
 Scaled for a 2-core CPU by default (output lengths 16/48 tokens instead of the
-issue's 128/512, N up to 8, one request per client); ``--full`` restores
-128/512, N up to 16 and three requests per client for GPU hosts.
+issue's 128/512, N up to 8, 12 s of measurement per cell); ``--full``
+restores 128/512, N = 1, 4, 8, 16, 32 and 120 s per cell for GPU hosts.
 
-    source deploy/env.sh && python perf/bench_matrix.py            # ~30-40 min on 2 cores
-    python perf/bench_matrix.py --pairs demo --concurrency 1,4 --max-tokens 16   # smoke
+Run time here (2 cores): a steady cell costs its warm-up (about one request's
+latency), ``--duration`` and the drain (at most one request's latency);
+tokenrouter, eager-async, lock-step and std-serving requests of 48 tokens take
+about 5-15 s at N = 8-32 on the size-realistic pair, llm-only ones up to
+~30 s at N = 32.  So ``--pairs size-realistic --concurrency 8,32 --max-tokens
+48 --duration 60`` (13 Triton cells + 2 no-Triton cells) takes about
+6 × 70 s (N = 8) + 6 × 95 s (N = 32) + 3.5 min (no-Triton, with its start)
++ 2.5 min (server start, DTMC solves) ≈ 23 min, and the
+default command (2 pairs × 3 N × 2 lengths × 7 modes = 84 cells of 12 s, mostly
+short requests: 84 × (12 + ~6) s + 3 min) about 28 min.
+
+    source deploy/env.sh && python perf/bench_matrix.py            # ~28 min on 2 cores
+    python perf/bench_matrix.py --pairs size-realistic --concurrency 8,32 --max-tokens 48 --duration 60
+    python perf/bench_matrix.py --pairs demo --concurrency 2 --max-tokens 16 --duration 6 \\
+        --modes tokenrouter,slm-only                              # smoke
+    python perf/bench_matrix.py --one-shot --requests-per-client 4  # the one-shot figure
 """
 
 from __future__ import annotations
@@ -48,7 +83,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from loadgen import run_load, summarize  # noqa: E402
+from loadgen import SteadyLoad, load_tokenizer, run_load, summarize, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
@@ -76,7 +111,19 @@ def _read_slice(path: str, start: int) -> List[str]:
 
 
 def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -> Dict[str, Any]:
-    """Profile the run's routing events and solve the DTMC (SLM threshold fixed at 1, as in the paper)."""
+    """Profile the run's routing events and solve the DTMC for every model's threshold.
+
+    Runs ``python -m scheduler_model profile`` then ``solve --json`` (a 5 ms quantum keeps
+    the exact chain small for CPU step times of 50-300 ms).
+
+    Returns:
+        the solver's JSON (``B_star`` {model: B}, ``table``, ``throughput_tokens_per_s``, …) plus
+        ``profile`` (the profile dict); when no profile can be made (e.g. no request reached the
+        LLM): ``B_star`` all 1, ``table`` empty, ``profile`` None and ``note`` (the reason).
+
+    Raises:
+        subprocess.CalledProcessError: ``solve`` failed.
+    """
     ev = os.path.join(workdir, f"events-N{concurrency}.jsonl")
     with open(ev, "w") as f:
         f.write("\n".join(event_lines) + "\n")
@@ -91,21 +138,84 @@ def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -
                 "note": made.stderr.strip()}
     with open(prof) as f:
         profile = json.load(f)
-    profile["fixed_thresholds"] = {"slm": 1}
-    with open(prof, "w") as f:
-        json.dump(profile, f)
-    # a 5 ms quantum keeps the exact chain small for CPU step times of 50-300 ms
     out = subprocess.run([py, "-m", "scheduler_model", "solve", "--profile", prof, "--json", "--quantum-s", "0.005"],
-                         check=True,
-                         cwd=ROOT, capture_output=True, text=True)
+                         check=True, cwd=ROOT, capture_output=True, text=True)
     res = json.loads(out.stdout)
     res["profile"] = profile
     return res
 
 
-def _lat(profile: Dict[str, Any], model: str) -> float:
-    v = profile["step_latency_s"][model]
-    return float(v if not isinstance(v, dict) else v[sorted(v, key=int)[0]])
+def wait_bound_us(model_stats: Dict[str, Dict[str, float]], factor: float, model: str = "slm") -> int:
+    """Delayed-batching wait bound: ``factor`` × ``model``'s mean step time (µs) in a run.
+
+    Args:
+        model_stats: counter increases over the run, ``{model: {"steps", "step_time_s", …}}``.
+        factor: multiple of the mean step time (``--wait-factor``).
+
+    Returns:
+        the bound in µs (0 when the model made no step).
+    """
+    st = model_stats.get(model, {})
+    return int(1e6 * factor * st["step_time_s"] / st["steps"]) if st.get("steps") else 0
+
+
+STAT_KEYS = ("steps", "decode_tokens", "extend_tokens", "extend_runs", "handoffs_out", "step_time_s", "forward_s",
+             "route_s", "send_s")
+
+
+def _stats_delta(before: Dict[str, Dict], after: Dict[str, Dict]) -> Dict[str, Dict[str, float]]:
+    return {m: {k: after[m][k] - before[m][k] for k in STAT_KEYS} for m in before}
+
+
+def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = "token_router", tokenizer=None,
+                 probe=None) -> Dict[str, Any]:
+    """One cell's figures: steady state (default) or one shot (``args.one_shot``).
+
+    Args:
+        target: Triton gRPC URL or a generate function (no-Triton baseline).
+        probe: ``() -> {model: admin.model_stats}``, read at the window boundaries (steady) or
+            before/after (one shot); None: no busy shares / counters.
+
+    Returns:
+        :func:`loadgen.window_summary` (steady) or :func:`loadgen.summarize` (one shot) keys, plus
+        ``model_stats`` (counter increases over the measurement) when ``probe`` is given.
+    """
+    if args.one_shot:
+        before = probe() if probe else None
+        row = summarize(run_load(target, prompts, N, L, args.requests_per_client, model=model, tokenizer=tokenizer))
+        if probe:
+            row["model_stats"] = _stats_delta(before, probe())
+        return row
+    load = SteadyLoad(target, prompts, N, L, model=model, tokenizer=tokenizer).start()
+    try:
+        m = load.measure(args.duration, args.windows, probe=probe, min_warmup_s=args.warmup_s, since=load.t_started)
+    finally:
+        recs = load.stop()
+    row = window_summary(recs, m["bounds"], probes=m["probes"])
+    row["warmup_s"] = m["warmup_s"]
+    if probe:
+        row["model_stats"] = _stats_delta(m["probes"][0], m["probes"][-1])
+    return row
+
+
+def _line(pair: str, mode: str, N: int, L: int, row: Dict[str, Any]) -> str:
+    th = row.get("throughput") or {}
+    ci = f" ±{th['ci95']:.1f}" if th.get("ci95") == th.get("ci95") and th.get("ci95") is not None else ""
+    return (f"{pair:15s} {mode:12s} N={N:<3d} L={L:<4d} {row['throughput_tok_s']:8.1f}{ci} tok/s  "
+            f"{row['requests_per_s']:.2f} req/s  TTFT p50 {row['ttft_p50_s']:.3f}s  "
+            f"ITL p50 {row['itl_p50_s'] * 1e3:.1f}ms  e2e p50/p99 {row['e2e_p50_s']:.2f}/{row['e2e_p99_s']:.2f}s  "
+            f"llm {row['llm_share']:.2f}  handoffs/req {row['handoffs_per_request']:.1f}"
+            + (f"  B*={row['B_star']}" if "B_star" in row else "")
+            + (f"  errors={row['errors']}" if row["errors"] else ""))
+
+
+def _mode_order(modes: List[str]) -> List[str]:
+    """Triton modes in run order: eager-async just before tokenrouter (its events give B*)."""
+    order = [m for m in modes if m != "no-triton"]
+    if "tokenrouter" in order and "eager-async" in order:
+        order.remove("eager-async")
+        order.insert(order.index("tokenrouter"), "eager-async")
+    return order
 
 
 def router_algorithm(pair: str, override: Dict[str, Any]) -> tuple:
@@ -125,6 +235,10 @@ def router_algorithm(pair: str, override: Dict[str, Any]) -> tuple:
 
 
 def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
+    """All Triton cells of one pair in one tritonserver, then the no-Triton baseline."""
+    from tokenrouter.repository import read_config
+    from tokenrouter.triton_common import resolve_model_path
+
     work = os.path.join(out_dir, f"run-{pair}")
     os.makedirs(work, exist_ok=True)
     events = {m: os.path.join(work, f"events-{m}.jsonl") for m in MODELS}
@@ -136,28 +250,33 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                         model_params=model_params,
                         routers={"token_router_llm_only": {"algorithm": "none", "algorithm_params": '{"model": 1}'},
                                  "token_router_slm_only": {"algorithm": "none", "algorithm_params": '{"model": 0}'}})
+    rp = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters
+    tok = load_tokenizer(resolve_model_path(rp["tokenizer_path"].string_value if "tokenizer_path" in rp
+                                            else "smollm2-135m-instruct"))
     prompts = _prompts()
     print(f"\n== pair {pair}: starting tritonserver", flush=True)
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(work, "tritonserver.log")) as srv:
         url = srv.grpc_url
+        probe = lambda: {m: admin.model_stats(url, m) for m in MODELS}  # noqa: E731
         run_load(url, prompts, 2, 8)  # warm-up
         for L in args.max_tokens:
             for N in args.concurrency:
-                bstar = None
-                for mode in [m for m in args.modes if m != "no-triton"]:
+                bstar = wait_us = None
+                for mode in _mode_order(args.modes):
                     for m in MODELS:
                         admin.configure(url, m, **RESET)
                     router = "token_router"
                     if mode == "tokenrouter":
-                        if bstar is None:  # profile an eager run at this (N, L) first
+                        if bstar is None:  # eager-async not selected: profile an eager run first
                             start = {m: _events_size(events[m]) for m in MODELS}
-                            run_load(url, prompts, N, L, args.requests_per_client)
+                            eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
                             bstar = b_star_from_events(lines, N, work)
+                            wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
+                            for m in MODELS:
+                                admin.configure(url, m, **RESET)
                         B = dict(bstar["B_star"])
                         B.update(args.batch_override)
-                        wait_us = (int(1e6 * args.wait_factor * _lat(bstar["profile"], "slm"))
-                                   if bstar["profile"] else 0)
                         for m in MODELS:
                             admin.configure(url, m, delayed_batch_size=int(B[m]),
                                             delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
@@ -171,25 +290,20 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                         router = "token_router_llm_only"
                     elif mode == "slm-only":
                         router = "token_router_slm_only"
-                    before = {m: admin.model_stats(url, m) for m in MODELS}
-                    run = run_load(url, prompts, N, L, args.requests_per_client, model=router)
-                    after = {m: admin.model_stats(url, m) for m in MODELS}
-                    row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L, **summarize(run)}
-                    row["model_stats"] = {m: {k: after[m][k] - before[m][k] for k in
-                                              ("steps", "decode_tokens", "extend_tokens", "extend_runs",
-                                               "handoffs_out", "step_time_s", "forward_s", "route_s", "send_s")}
-                                          for m in MODELS}
+                    start = {m: _events_size(events[m]) for m in MODELS}
+                    row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
+                           **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok, probe=probe)}
+                    if mode == "eager-async" and "tokenrouter" in args.modes:
+                        lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
+                        bstar = b_star_from_events(lines, N, work)
+                        wait_us = wait_bound_us(row["model_stats"], args.wait_factor)
                     if mode == "tokenrouter":
                         row["B_star"] = B
                         row["B_dtmc"] = bstar["B_star"]
                         row["wait_us"] = wait_us
                         row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
                     results["rows"].append(row)
-                    print(f"{pair:15s} {mode:12s} N={N:<3d} L={L:<4d} {row['throughput_tok_s']:8.1f} tok/s  "
-                          f"TTFT {row['ttft_p50_s']:.3f}s  ITL p50 {row['itl_p50_s'] * 1e3:.1f}ms  "
-                          f"llm {row['llm_share']:.2f}  handoffs/req {row['handoffs_per_request']:.1f}"
-                          + (f"  B*={row['B_star']}" if mode == 'tokenrouter' else "")
-                          + (f"  errors={row['errors']}" if row["errors"] else ""), flush=True)
+                    print(_line(pair, mode, N, L, row), flush=True)
                     with open(os.path.join(out_dir, "results.json"), "w") as f:
                         json.dump(results, f, indent=1)
         for m in MODELS:
@@ -199,7 +313,7 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
             f"{m}: {v['inference_count']} requests in {v['execution_count']} executions"
             for m, v in results["triton_batching"][pair].items()), flush=True)
     if "no-triton" in args.modes:
-        run_no_triton(pair, repo, args, results, out_dir, prompts)
+        run_no_triton(pair, repo, args, results, out_dir, prompts, tok)
 
 
 def triton_batching(http_url: str) -> Dict[str, Dict[str, int]]:
@@ -219,8 +333,12 @@ def triton_batching(http_url: str) -> Dict[str, Dict[str, int]]:
     return out
 
 
-def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: str, prompts: List[str]) -> None:
+
+def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: str, prompts: List[str],
+                  tok=None) -> None:
     """The no-Triton baseline: same configs (read from the variant repository), same B* per cell."""
+    import threading
+
     from tokenrouter.direct import DirectCluster, DirectRouter
     from tokenrouter.repository import read_config
     from tokenrouter.triton_common import llm_settings, resolve_model_path
@@ -228,12 +346,32 @@ def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: 
     def params(model):
         return {k: v.string_value for k, v in read_config(os.path.join(repo, model, "config.pbtxt")).parameters.items()}
 
+    class TracingRouter(DirectRouter):
+        """DirectRouter that also returns the routing trace (token ids, model per token), as token_router does."""
+
+        _tl = threading.local()
+
+        def segment(self, model, rid, tokens, header):
+            k = self.models.index(model)
+            for ids, ev in super().segment(model, rid, tokens, header):
+                if ids:
+                    self._tl.ids.extend(ids)
+                    self._tl.trace.extend([k] * len(ids))
+                yield ids, ev
+
+        def generate(self, prompt, sampling, chat=True, on_text=None):
+            self._tl.ids, self._tl.trace = [], []
+            out = super().generate(prompt, sampling, chat=chat, on_text=on_text)
+            n = out["num_output_tokens"]
+            out["routing_trace"] = {"models": self.models, "token_ids": self._tl.ids[:n], "trace": self._tl.trace[:n]}
+            return out
+
     print(f"== pair {pair}: no-triton baseline (worker processes, no Triton)", flush=True)
     cluster = DirectCluster({m: llm_settings(params(m)) for m in MODELS})
     try:
         rp = params("token_router")
-        router = DirectRouter(cluster, MODELS, resolve_model_path(rp.get("tokenizer_path", "smollm2-135m-instruct")),
-                              rp.get("algorithm", "rstitch"), json.loads(rp.get("algorithm_params") or "{}"))
+        router = TracingRouter(cluster, MODELS, resolve_model_path(rp.get("tokenizer_path", "smollm2-135m-instruct")),
+                               rp.get("algorithm", "rstitch"), json.loads(rp.get("algorithm_params") or "{}"))
         gen = lambda p, sp, cb: router.generate(p, sp, on_text=cb)  # noqa: E731
         run_load(gen, prompts, 2, 8)  # warm-up
         for L in args.max_tokens:
@@ -245,11 +383,9 @@ def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: 
                 for m in MODELS:
                     cluster.configure(m, delayed_batch_size=int(B[m]), max_wait_s=(wait if B[m] > 1 else 0) / 1e6)
                 row = {"pair": pair, "mode": "no-triton", "N": N, "max_tokens": L,
-                       **summarize(run_load(gen, prompts, N, L, args.requests_per_client)), "B_star": B}
+                       **measure_cell(gen, prompts, N, L, args, tokenizer=tok), "B_star": B}
                 results["rows"].append(row)
-                print(f"{pair:15s} {'no-triton':12s} N={N:<3d} L={L:<4d} {row['throughput_tok_s']:8.1f} tok/s  "
-                      f"TTFT {row['ttft_p50_s']:.3f}s  ITL p50 {row['itl_p50_s'] * 1e3:.1f}ms  "
-                      f"llm {row['llm_share']:.2f}", flush=True)
+                print(_line(pair, "no-triton", N, L, row), flush=True)
                 with open(os.path.join(out_dir, "results.json"), "w") as f:
                     json.dump(results, f, indent=1)
     finally:
@@ -262,30 +398,75 @@ def _fmt(x: float, unit: str = "") -> str:
     return f"{x:.3g}{unit}"
 
 
+def ratio_interval(a: Dict[str, Any], b: Dict[str, Any]) -> tuple:
+    """Throughput ratio a / b of two rows with its 95 % interval from the windows' spread.
+
+    Delta method on the log ratio: half-width ``h = t_{0.975, n-1} · sqrt(sd_a²/(n_a·m_a²) +
+    sd_b²/(n_b·m_b²))`` with ``n = min(n_a, n_b)`` windows; the interval is ``(r·e^-h, r·e^h)``.
+
+    Returns:
+        ``(ratio, low, high)``; low/high NaN for one-shot rows or fewer than 2 windows; ratio
+        NaN when b's throughput is 0 or missing.
+    """
+    ma, mb = a.get("throughput_tok_s"), b.get("throughput_tok_s")
+    if not ma or not mb or math.isnan(ma) or math.isnan(mb):
+        return float("nan"), float("nan"), float("nan")
+    r = ma / mb
+    sa, sb = a.get("throughput") or {}, b.get("throughput") or {}
+    n = min(sa.get("n", 0), sb.get("n", 0))
+    if n < 2 or math.isnan(sa.get("sd", float("nan"))) or math.isnan(sb.get("sd", float("nan"))):
+        return r, float("nan"), float("nan")
+    from scipy.stats import t as student_t
+
+    h = float(student_t.ppf(0.975, n - 1)) * math.sqrt(sa["sd"] ** 2 / (sa["n"] * ma ** 2)
+                                                       + sb["sd"] ** 2 / (sb["n"] * mb ** 2))
+    return r, r * math.exp(-h), r * math.exp(h)
+
+
+def _pcts(r: Dict[str, Any], name: str, scale: float = 1.0) -> str:
+    return "/".join(_fmt(r.get(f"{name}_p{q}_s", float("nan")) * scale) for q in (50, 90, 99))
+
+
 def markdown(results: Dict[str, Any]) -> str:
-    """The results table plus tokenrouter's ratios against each baseline."""
+    """The results table, tokenrouter's ratios against each baseline (with spread) and diagnostics."""
     rows = results["rows"]
     lines = [f"Settings: {results['settings']}", "",
-             "| pair | mode | N | max tokens | tok/s | TTFT p50 s | ITL p50 ms | ITL p99 ms | e2e p50 s | "
-             "LLM share | handoffs/req | B* |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "tok/s and req/s: mean over the measurement windows, ± 95 % confidence half-width, [min–max] "
+             "(steady state); latencies of the requests that started in the measurement period; busy = share of "
+             "the period each model spent in steps.", "",
+             "| pair | mode | N | max tokens | tok/s | req/s | TTFT p50/p90/p99 s | ITL p50/p90/p99 ms | "
+             "e2e p50/p90/p99 s | e2e p99/p50 | LLM share | handoffs/req | busy slm/llm | B* |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['pair']} | {r['mode']} | {r['N']} | {r['max_tokens']} | {_fmt(r['throughput_tok_s'])} | "
-                     f"{_fmt(r['ttft_p50_s'])} | {_fmt(r['itl_p50_s'] * 1e3)} | {_fmt(r['itl_p99_s'] * 1e3)} | "
-                     f"{_fmt(r['e2e_p50_s'])} | {_fmt(r['llm_share'])} | {_fmt(r['handoffs_per_request'])} | "
-                     f"{r.get('B_star', '')} |")
-    base = {(r["pair"], r["N"], r["max_tokens"], r["mode"]): r["throughput_tok_s"] for r in rows}
+        th = r.get("throughput") or {}
+        tps = _fmt(r["throughput_tok_s"])
+        if th.get("n", 0) > 1:
+            tps += f" ±{_fmt(th['ci95'])} [{_fmt(th['min'])}–{_fmt(th['max'])}]"
+        busy = r.get("busy_share")
+        busy_s = "/".join(_fmt(busy[m]["mean"]) for m in MODELS) if busy else "–"
+        tail = (r["e2e_p99_s"] / r["e2e_p50_s"]) if r.get("e2e_p50_s") else float("nan")
+        lines.append(f"| {r['pair']} | {r['mode']} | {r['N']} | {r['max_tokens']} | {tps} | "
+                     f"{_fmt(r.get('requests_per_s', float('nan')))} | {_pcts(r, 'ttft')} | {_pcts(r, 'itl', 1e3)} | "
+                     f"{_pcts(r, 'e2e')} | {_fmt(tail)} | {_fmt(r['llm_share'])} | "
+                     f"{_fmt(r['handoffs_per_request'])} | {busy_s} | {r.get('B_star', '')} |")
+    by = {(r["pair"], r["N"], r["max_tokens"], r["mode"]): r for r in rows}
     present = [b for b in BASELINES if any(r["mode"] == b for r in rows)]
     if any(r["mode"] == "tokenrouter" for r in rows) and present:
-        lines += ["", "Throughput ratio tokenrouter / baseline (same run):", "",
+        lines += ["", "Throughput ratio tokenrouter / baseline (same server process; 95 % interval from the "
+                  "windows' spread); the slm-only column is the fraction of the SLM-only ceiling reached:", "",
                   "| pair | N | max tokens | " + " | ".join(present) + " |",
                   "|---|---|---|" + "---|" * len(present)]
         for r in rows:
             if r["mode"] != "tokenrouter":
                 continue
             k = (r["pair"], r["N"], r["max_tokens"])
-            cells = [_fmt(r["throughput_tok_s"] / base[(*k, b)]) + "×" if base.get((*k, b)) else "–"
-                     for b in present]
+            cells = []
+            for b in present:
+                if (*k, b) not in by:
+                    cells.append("–")
+                    continue
+                x, lo, hi = ratio_interval(r, by[(*k, b)])
+                cells.append(_fmt(x) + "×" + ("" if math.isnan(lo) else f" ({_fmt(lo)}–{_fmt(hi)})"))
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " |")
     diag = [r for r in rows if r.get("model_stats")]
     if diag:
@@ -307,6 +488,7 @@ def markdown(results: Dict[str, Any]) -> str:
 
 
 def _plot(path: str, title: str, xlabel: str, series: Dict[str, List[tuple]]) -> str:
+    """One PNG: ``series`` maps a label to points ``(x, y)`` or ``(x, y, y_min, y_max)`` (error bar)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -315,16 +497,26 @@ def _plot(path: str, title: str, xlabel: str, series: Dict[str, List[tuple]]) ->
     fig, ax = plt.subplots(figsize=(5.5, 4))
     for label, pts in series.items():
         pts = sorted(pts)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
+        xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+        if pts and all(len(p) == 4 and not math.isnan(p[2]) for p in pts):
+            err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+            ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, label=label)
+        else:
+            ax.plot(xs, ys, marker="o", label=label)
     ax.set_title(title)
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("decode throughput (tokens/s)")
+    ax.set_ylabel("output tokens/s (bars: min–max over windows)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _pt(x, r) -> tuple:
+    th = r.get("throughput") or {}
+    return (x, r["throughput_tok_s"], th.get("min", float("nan")), th.get("max", float("nan")))
 
 
 def plots(results: Dict[str, Any], out_dir: str) -> List[str]:
@@ -336,13 +528,13 @@ def plots(results: Dict[str, Any], out_dir: str) -> List[str]:
         for L in sorted({r["max_tokens"] for r in pr}):
             files.append(_plot(os.path.join(out_dir, f"throughput_vs_N_{pair}_{L}tok.png"),
                                f"{pair}: {L} output tokens", "concurrency N",
-                               {m: [(r["N"], r["throughput_tok_s"]) for r in pr
-                                    if r["mode"] == m and r["max_tokens"] == L] for m in modes}))
+                               {m: [_pt(r["N"], r) for r in pr if r["mode"] == m and r["max_tokens"] == L]
+                                for m in modes}))
         Nmax = max(r["N"] for r in pr)
         files.append(_plot(os.path.join(out_dir, f"throughput_vs_length_{pair}.png"), f"{pair}: N = {Nmax}",
                            "max output tokens",
-                           {m: [(r["max_tokens"], r["throughput_tok_s"]) for r in pr
-                                if r["mode"] == m and r["N"] == Nmax] for m in modes}))
+                           {m: [_pt(r["max_tokens"], r) for r in pr if r["mode"] == m and r["N"] == Nmax]
+                            for m in modes}))
     return files
 
 
@@ -354,9 +546,11 @@ def _scale_note(a) -> str:
     if max(a.max_tokens) < 512:
         notes.append(f"output lengths {'/'.join(map(str, a.max_tokens))} tokens instead of 128/512")
     if max(a.concurrency) < 16:
-        notes.append("N = 16 left to --full")
-    if a.requests_per_client < 3:
+        notes.append("N = 16, 32 left to --full")
+    if a.one_shot and a.requests_per_client < 3:
         notes.append(f"{a.requests_per_client} request(s) per client (--full: 3)")
+    if not a.one_shot and a.duration < 120:
+        notes.append(f"{a.duration:g} s of measurement per cell (--full: 120)")
     return "scaled for a 2-core CPU: " + ", ".join(notes) if notes else ""
 
 
@@ -364,9 +558,18 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default="demo,size-realistic")
     ap.add_argument("--modes", default=",".join(ALL_MODES))
-    ap.add_argument("--concurrency", default=None, help="comma list (default 1,4,8; --full: 1,4,8,16)")
+    ap.add_argument("--concurrency", default=None, help="comma list (default 1,4,8; --full: 1,4,8,16,32)")
     ap.add_argument("--max-tokens", default=None, help="comma list (default 16,48; --full: 128,512)")
-    ap.add_argument("--requests-per-client", type=int, default=None)
+    ap.add_argument("--duration", type=float, default=None,
+                    help="steady state (the default): seconds of measurement per cell, warm-up and drain "
+                         "excluded (default 12; --full: 120)")
+    ap.add_argument("--windows", type=int, default=3, help="steady state: consecutive windows per cell (default 3)")
+    ap.add_argument("--warmup-s", type=float, default=0.0,
+                    help="steady state: minimum warm-up in seconds (besides every client finishing one request)")
+    ap.add_argument("--one-shot", action="store_true",
+                    help="one-shot mode instead: every client sends --requests-per-client requests; "
+                         "throughput = all tokens / the cell's wall time")
+    ap.add_argument("--requests-per-client", type=int, default=None, help="--one-shot: default 1 (--full: 3)")
     ap.add_argument("--wait-factor", type=float, default=1.0,
                     help="delayed-batching wait bound in SLM step times (default 1)")
     ap.add_argument("--batch-override", default="",
@@ -405,12 +608,20 @@ def main(argv=None) -> int:
                 get_algorithm(algo).validate_params(merged, num_models=len(MODELS))
             except ValueError as e:
                 ap.error(f"--algorithm-params for {algo} ({pair} pair): {e}")
+    if a.one_shot and a.duration is not None:
+        ap.error("--duration is the steady-state mode; --one-shot takes --requests-per-client")
+    if not a.one_shot and a.requests_per_client is not None:
+        ap.error("--requests-per-client is for --one-shot; the steady-state mode takes --duration")
+    if a.duration is None:
+        a.duration = 120.0 if a.full else 12.0
+    if a.duration <= 0 or a.windows < 1 or a.warmup_s < 0:
+        ap.error("--duration must be > 0, --windows >= 1, --warmup-s >= 0")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = set(a.modes) - set(ALL_MODES)
     if bad:
         ap.error(f"unknown modes {sorted(bad)}; known: {ALL_MODES}")
     try:
-        a.concurrency = [int(x) for x in (a.concurrency or ("1,4,8,16" if a.full else "1,4,8")).split(",")]
+        a.concurrency = [int(x) for x in (a.concurrency or ("1,4,8,16,32" if a.full else "1,4,8")).split(",")]
         a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,48")).split(",")]
     except ValueError:
         ap.error("--concurrency and --max-tokens take comma-separated integers, e.g. 1,4,8")
@@ -421,7 +632,10 @@ def main(argv=None) -> int:
     os.makedirs(a.out, exist_ok=True)
     settings = {"pairs": a.pairs, "modes": a.modes, "batch_override": a.batch_override,
                 "algorithm_params": a.algorithm_params, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
-                "requests_per_client": a.requests_per_client, "full": a.full,
+                "measurement": "one-shot" if a.one_shot else "steady-state",
+                "requests_per_client": a.requests_per_client if a.one_shot else None,
+                "duration_s": None if a.one_shot else a.duration, "windows": None if a.one_shot else a.windows,
+                "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor, "full": a.full,
                 "note": _scale_note(a)}
     results: Dict[str, Any] = {"settings": settings, "rows": []}
     print(f"settings: {settings}")

@@ -1,27 +1,46 @@
-"""The DTMC against the real server: predicted B* vs the measured-best B_llm.
+"""The DTMC against the real server in steady state: predicted B* vs the measured-best B.
 
-Paper §Design, "DTMC for B*": validated on R2R with the SLM's threshold fixed
-at 1, sweeping the LLM's B at N = 2, 3, 4.  Here, on the size-realistic pair
-(real SmolLM2 SLM, larger random-weight LLM) through Triton:
+Paper §Design, "DTMC for B*", validated the chain by sweeping the LLM's B with
+the SLM's threshold fixed at 1.  Here every model's threshold is searched and
+swept, on the size-realistic pair (real SmolLM2 SLM, larger random-weight LLM)
+through Triton, at each N (default 2, 4, 8, 32), with N clients sending
+requests back to back for the whole N (``perf/loadgen.py`` steady state):
 
-1. run the load eagerly (B = 1) and turn the models' routing events into a
-   profile (measured L_i(b), P, C) with ``python -m scheduler_model profile``;
-2. ``python -m scheduler_model solve`` gives B* and the predicted T(B) table;
-3. sweep B_llm = 1 … N (B_slm = 1) on the running server (``configure`` op)
-   and measure decode throughput for each;
-4. print measured vs predicted, and whether the argmax agrees.
+1. eager run (B = 1 everywhere): its routing events become a profile
+   (``python -m scheduler_model profile``), and ``solve`` gives B* for every
+   model and the predicted throughput;
+2. coordinate sweep on the running server (``configure`` op, the load keeps
+   running; each point waits for its own warm-up: every client finishes a
+   request sent after the change): B_llm over a log-ish grid with B_slm at the
+   DTMC's value, then B_slm over the grid with B_llm at the best found (each
+   grid always contains the DTMC's value, so B* itself is measured);
+3. print per N: the DTMC's B*, the measured-best B, measured throughput at both
+   (mean ± 95 % half-width over ``--windows`` windows) and whether B*'s
+   measured throughput is within 5 % of the best.
 
-    source deploy/env.sh && python perf/dtmc_vs_server.py              # ~10 min here
-    python perf/dtmc_vs_server.py --pair demo --concurrency 2 --max-tokens 16   # quick
+Delayed batching uses a wait bound of ``--wait-factor`` × the SLM's mean step
+time in the eager run, the same rule as ``bench_matrix.py``'s tokenrouter mode,
+at every sweep point.
+
+Run time here (2 cores, defaults: 32 tokens, 12 s per point): grid
+1,2,3,4,6,8,12,16,24,32 up to N gives 3 + 7 + 11 + 19 measured points plus 4
+eager runs; a point costs its warm-up (one request, ~2-15 s) and 12 s, so
+about 1 + 2 + 3.5 + 9 min + 2 min of server start ≈ 18 min (≤ 30 min even if
+requests take twice as long).
+
+    source deploy/env.sh && python perf/dtmc_vs_server.py              # ~18 min here
+    python perf/dtmc_vs_server.py --pair demo --concurrency 2 --max-tokens 16 --duration 3   # quick
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from typing import Any, Dict, List, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -29,75 +48,178 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_matrix import MODELS, RESET, _events_size, _prompts, _read_slice, b_star_from_events  # noqa: E402
-from loadgen import run_load, summarize  # noqa: E402
+from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _stats_delta,  # noqa: E402
+                          b_star_from_events, wait_bound_us)
+from loadgen import SteadyLoad, load_tokenizer, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
+
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+def grid(N: int, must: int, base=GRID) -> List[int]:
+    """Thresholds to sweep at concurrency N: ``base`` up to N, plus N and ``must`` (the DTMC's value)."""
+    return sorted({b for b in base if b <= N} | {N, int(must)})
+
+
+def within(measured_at_star: float, best: float, tol: float = 0.05) -> bool:
+    """Whether B*'s measured throughput is within ``tol`` (relative) of the measured best."""
+    return measured_at_star >= (1.0 - tol) * best
+
+
+def _key(B: Dict[str, int]) -> Tuple[int, ...]:
+    return tuple(int(B[m]) for m in MODELS)
+
+
+def _fmt_B(B: Dict[str, int]) -> str:
+    return ",".join(f"{m}={int(B[m])}" for m in MODELS)
+
+
+def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str], start: Dict[str, int],
+                out_dir: str) -> Dict[str, Any]:
+    """Eager profile, DTMC solve and the coordinate sweep at one N.
+
+    The models must be in eager mode (:data:`RESET`) when ``load`` starts; the load keeps running
+    through every point.  Returns the report row (see :func:`markdown`)."""
+    probe = lambda: {m: admin.model_stats(url, m) for m in MODELS}  # noqa: E731
+    eager = load.measure(args.duration, args.windows, probe=probe, since=load.t_started)
+    lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
+    eager_s = window_summary(load.snapshot(), eager["bounds"], probes=eager["probes"])
+    sol = b_star_from_events(lines, N, out_dir)
+    wait_us = wait_bound_us(_stats_delta(eager["probes"][0], eager["probes"][-1]), args.wait_factor)
+    star = {m: int(sol["B_star"][m]) for m in MODELS}
+    predicted = {_key(r["B"]): r.get("throughput_tokens_per_s") for r in sol.get("table", []) if "B" in r}
+    print(f"N={N}: eager {eager_s['throughput_tok_s']:.2f} tok/s; DTMC B* = {_fmt_B(star)} "
+          f"(predicted {sol.get('throughput_tokens_per_s') or float('nan'):.2f} tok/s); wait bound {wait_us} us",
+          flush=True)
+    measured: Dict[Tuple[int, ...], Dict[str, Any]] = {}
+
+    def point(B: Dict[str, int]) -> float:
+        k = _key(B)
+        if k not in measured:
+            for m in MODELS:
+                admin.configure(url, m, delayed_batch_size=int(B[m]),
+                                delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
+            mm = load.measure(args.duration, args.windows, probe=probe)
+            s = window_summary(load.snapshot(), mm["bounds"], probes=mm["probes"])
+            measured[k] = {"B": dict(B), "throughput_tok_s": s["throughput_tok_s"], "throughput": s["throughput"],
+                           "e2e_p50_s": s["e2e_p50_s"], "e2e_p99_s": s["e2e_p99_s"], "llm_share": s["llm_share"],
+                           "errors": s["errors"], "dtmc_tok_s": predicted.get(k)}
+            th = s["throughput"]
+            print(f"N={N} B {_fmt_B(B)}: measured {th['mean']:.2f} ±{th['ci95']:.2f} tok/s"
+                  + (f", DTMC {predicted[k]:.2f}" if predicted.get(k) is not None else ""), flush=True)
+        return measured[k]["throughput_tok_s"]
+
+    if sol["profile"] is not None:
+        for b in grid(N, star["llm"], args.grid):  # phase 1: B_llm, B_slm at the DTMC's value
+            point({"slm": star["slm"], "llm": b})
+        best_llm = max((v for v in measured.values() if v["B"]["slm"] == star["slm"]),
+                       key=lambda v: v["throughput_tok_s"])["B"]["llm"]
+        for b in grid(N, star["slm"], args.grid):  # phase 2: B_slm, B_llm at the best
+            point({"slm": b, "llm": best_llm})
+    else:
+        point(star)
+    best = max(measured.values(), key=lambda v: v["throughput_tok_s"])
+    at_star = measured[_key(star)]
+    return {"N": N, "B_star_dtmc": star, "dtmc_tok_s": sol.get("throughput_tokens_per_s"),
+            "method": sol.get("method"), "note": sol.get("note"), "wait_us": wait_us,
+            "eager_tok_s": eager_s["throughput_tok_s"], "eager": eager_s["throughput"],
+            "measured_at_B_star": at_star, "B_best_measured": best["B"], "measured_best": best,
+            "ratio_star_to_best": at_star["throughput_tok_s"] / best["throughput_tok_s"]
+            if best["throughput_tok_s"] else float("nan"),
+            "within_5pct": within(at_star["throughput_tok_s"], best["throughput_tok_s"]),
+            "points": list(measured.values()), "profile": sol["profile"]}
+
+
+def _f(x, nd=2) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
+
+
+def markdown(report: Dict[str, Any]) -> str:
+    """Per-point table and the per-N summary (B* vs measured best)."""
+    lines = [f"DTMC vs server, steady state ({report['pair']} pair, {report['max_tokens']} output tokens, "
+             f"{report['duration_s']:g} s per point in {report['windows']} windows; tok/s = mean ± 95 % half-width)",
+             "", "| N | B | measured tok/s | DTMC tok/s | e2e p50/p99 s | LLM share |", "|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        for v in r["points"]:
+            lines.append(f"| {r['N']} | {_fmt_B(v['B'])} | {_f(v['throughput_tok_s'])} ±{_f(v['throughput']['ci95'])} | "
+                         f"{_f(v['dtmc_tok_s'])} | {_f(v['e2e_p50_s'])}/{_f(v['e2e_p99_s'])} | "
+                         f"{_f(v['llm_share'], 3)} |")
+    lines += ["", "| N | DTMC B* | DTMC tok/s | measured at B* | measured-best B | measured best | B*/best | "
+              "within 5 % |", "|---|---|---|---|---|---|---|---|"]
+    for r in report["rows"]:
+        s, b = r["measured_at_B_star"], r["measured_best"]
+        lines.append(f"| {r['N']} | {_fmt_B(r['B_star_dtmc'])} | {_f(r['dtmc_tok_s'])} | "
+                     f"{_f(s['throughput_tok_s'])} ±{_f(s['throughput']['ci95'])} | {_fmt_B(r['B_best_measured'])} | "
+                     f"{_f(b['throughput_tok_s'])} ±{_f(b['throughput']['ci95'])} | {_f(r['ratio_star_to_best'], 3)} | "
+                     f"{'yes' if r['within_5pct'] else 'no'} |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="size-realistic")
-    ap.add_argument("--concurrency", default="2,3,4")
+    ap.add_argument("--concurrency", default="2,4,8,32", help="comma list of N (default 2,4,8,32)")
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--requests-per-client", type=int, default=2)
-    ap.add_argument("--max-wait-s", type=float, default=1.0,
-                    help="delayed-batching wait bound during the sweep (large: a pure threshold, as the DTMC)")
+    ap.add_argument("--duration", type=float, default=12.0, help="seconds of measurement per point (default 12)")
+    ap.add_argument("--windows", type=int, default=3, help="windows per point (default 3)")
+    ap.add_argument("--wait-factor", type=float, default=1.0,
+                    help="delayed-batching wait bound in SLM mean step times of the eager run (default 1, "
+                         "as bench_matrix)")
+    ap.add_argument("--grid", default=",".join(map(str, GRID)), help="thresholds swept (each capped at N)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("dtmc-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
     exit_on_termination()
-    Ns = [int(x) for x in a.concurrency.split(",")]
+    from tokenrouter.repository import PAIRS, read_config
+    from tokenrouter.triton_common import resolve_model_path
+
+    if a.pair not in PAIRS:
+        ap.error(f"--pair: known pairs are {sorted(PAIRS)}")
+    try:
+        Ns = [int(x) for x in a.concurrency.split(",") if x]
+        a.grid = tuple(int(x) for x in a.grid.split(",") if x)
+    except ValueError:
+        ap.error("--concurrency and --grid take comma-separated integers")
+    if not Ns or min(Ns) < 1 or not a.grid or min(a.grid) < 1 or a.max_tokens < 1:
+        ap.error("--concurrency, --grid and --max-tokens take positive integers")
+    if a.duration <= 0 or a.windows < 1 or a.wait_factor < 0:
+        ap.error("--duration must be > 0, --windows >= 1, --wait-factor >= 0")
     os.makedirs(a.out, exist_ok=True)
     events = {m: os.path.join(a.out, f"events-{m}.jsonl") for m in MODELS}
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(a.out, "model_repository"), a.pair,
                         model_params={m: {"event_log": events[m]} for m in MODELS})
+    rp = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters
+    tok = load_tokenizer(resolve_model_path(rp["tokenizer_path"].string_value if "tokenizer_path" in rp
+                                            else "smollm2-135m-instruct"))
     prompts = _prompts()
-    report = {"pair": a.pair, "max_tokens": a.max_tokens, "requests_per_client": a.requests_per_client, "rows": []}
+    report = {"pair": a.pair, "max_tokens": a.max_tokens, "duration_s": a.duration, "windows": a.windows,
+              "wait_factor": a.wait_factor, "grid": list(a.grid), "rows": []}
+    t0 = time.time()
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(a.out, "tritonserver.log")) as srv:
         url = srv.grpc_url
-        run_load(url, prompts, 2, 8)  # warm-up
         for N in Ns:
             for m in MODELS:
                 admin.configure(url, m, **RESET)
             start = {m: _events_size(events[m]) for m in MODELS}
-            run_load(url, prompts, N, a.max_tokens, a.requests_per_client)
-            lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-            sol = b_star_from_events(lines, N, a.out)
-            if sol["profile"] is None:
-                print(f"N={N}: no profile ({sol['note']}); skipped", flush=True)
-                continue
-            predicted = {int(r["B"]["llm"]): r["throughput_tokens_per_s"] for r in sol["table"]
-                         if int(r["B"]["slm"]) == 1}
-            measured = {}
-            for B in range(1, N + 1):
-                admin.configure(url, "llm", delayed_batch_size=B,
-                                delayed_batch_max_wait_us=int(a.max_wait_s * 1e6) if B > 1 else 0)
-                s = summarize(run_load(url, prompts, N, a.max_tokens, a.requests_per_client))
-                measured[B] = s["throughput_tok_s"]
-                print(f"N={N} B_llm={B}: measured {measured[B]:.2f} tok/s, DTMC {predicted.get(B, float('nan')):.2f}"
-                      f" tok/s", flush=True)
-            best = max(measured, key=measured.get)
-            row = {"N": N, "B_star_dtmc": int(sol["B_star"]["llm"]), "B_best_measured": best,
-                   "agree": best == int(sol["B_star"]["llm"]), "measured_tok_s": measured,
-                   "dtmc_tok_s": predicted, "profile": sol["profile"], "method": sol.get("method")}
+            load = SteadyLoad(url, prompts, N, a.max_tokens, tokenizer=tok).start()
+            try:
+                row = sweep_one_N(url, load, N, a, events, start, a.out)
+            finally:
+                load.stop()
             report["rows"].append(row)
+            print(f"N={N}: DTMC B* {_fmt_B(row['B_star_dtmc'])} measured "
+                  f"{row['measured_at_B_star']['throughput_tok_s']:.2f} tok/s; best {_fmt_B(row['B_best_measured'])} "
+                  f"{row['measured_best']['throughput_tok_s']:.2f} tok/s; within 5 %: "
+                  f"{'yes' if row['within_5pct'] else 'no'}", flush=True)
             with open(os.path.join(a.out, "dtmc_vs_server.json"), "w") as f:
                 json.dump(report, f, indent=1)
         for m in MODELS:
             admin.configure(url, m, **RESET)
-    lines = [f"DTMC vs server ({a.pair}, {a.max_tokens} output tokens, B_slm = 1)", "",
-             "| N | B_llm | measured tok/s | DTMC tok/s |", "|---|---|---|---|"]
-    for r in report["rows"]:
-        for B, v in r["measured_tok_s"].items():
-            lines.append(f"| {r['N']} | {B} | {v:.2f} | {r['dtmc_tok_s'].get(B, float('nan')):.2f} |")
-    lines += ["", "| N | DTMC B* | measured best | agree |", "|---|---|---|---|"]
-    lines += [f"| {r['N']} | {r['B_star_dtmc']} | {r['B_best_measured']} | {'yes' if r['agree'] else 'no'} |"
-              for r in report["rows"]]
-    md = "\n".join(lines)
+    md = markdown(report)
     with open(os.path.join(a.out, "dtmc_vs_server.md"), "w") as f:
         f.write(md + "\n")
-    print("\n" + md + f"\n\nwrote {a.out}")
+    print("\n" + md + f"\n\nwrote {a.out} in {time.time() - t0:.0f} s")
     return 0
 
 

@@ -1,27 +1,73 @@
 """Closed-loop load generator for ``token_router`` (gRPC streaming, tritonclient).
 
-N client threads each send requests back to back; every request is timed on
-the client: TTFT (first text chunk), ITL (gaps between chunks), end-to-end.
-Decode throughput is output tokens / wall time of the whole run (tokens/s).
+Two ways to measure, both with N client threads that time every request on the
+client (TTFT, ITL, end-to-end latency):
+
+* **steady state** (:class:`SteadyLoad` + :func:`window_summary`), as genai-perf
+  and aiperf define output-token throughput under a concurrency level: each of
+  N clients sends requests back to back for the whole run; a warm-up (until
+  every client has finished one request that started after the measurement was
+  asked for, optionally a minimum time) and the drain after the measurement
+  are excluded; the measurement period is split into ``windows`` consecutive
+  windows, and a window's throughput counts the output tokens *streamed inside
+  it*, by their client-side arrival times, so one slow request cannot set the
+  figure.  Mean and spread over the windows are reported.
+* **one shot** (:func:`run_load` + :func:`summarize`): every client sends
+  ``requests_per_client`` requests; throughput is all output tokens over the
+  wall time of the run (the slowest request ends it).
+
+Token counting.  A streamed chunk of ``token_router`` carries a text delta, not
+a token count: the router releases the text of the tokens a model has committed
+(``stream_interval`` tokens per model response, more at a handoff), and a token
+whose text is not complete yet (part of a UTF-8 character, a skipped special
+token) is released with a later chunk.  Each request therefore asks for the
+routing trace (``return_routing_trace``: the output token ids and which model
+wrote each), and the client replays the router's own detokeniser
+(:class:`tokenrouter.detok.IncrementalDetokenizer`) over those ids: token *i*
+arrived with the first chunk whose cumulative text covers the text up to and
+including token *i* (a token without text of its own: with the next chunk that
+brings new text); tokens whose text never arrived in a chunk arrived with the
+final response.  See :func:`token_arrival_times`.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass
-from typing import Callable, Dict, List, Sequence
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from tokenrouter.cli import stream_generate
-
-__all__ = ["RequestRecord", "run_load", "summarize", "percentile", "triton_client"]
+__all__ = ["RequestRecord", "SteadyLoad", "run_load", "summarize", "window_summary", "latency_stats",
+           "spread", "percentile", "token_arrival_times", "load_tokenizer", "triton_client"]
 
 
 @dataclass
 class RequestRecord:
-    """Client-side measurements of one request (seconds, tokens)."""
+    """Client-side measurements of one request.
+
+    Times are ``time.perf_counter()`` seconds (absolute ones: ``t_start_s``,
+    ``token_t_s``; durations: ``ttft_s``, ``e2e_s``).
+
+    Attributes:
+        ttft_s: send → first text chunk (s); NaN when the request failed.
+        itl_s: gaps between consecutive text chunks (s).
+        e2e_s: send → final response (s).
+        output_tokens: tokens the server reports for the request (``num_output_tokens``).
+        tokens_by_model: tokens written by each model (routing summary).
+        handoffs: model switches of the request.
+        error: the server's error message, "" on success.
+        t_start_s: when the request was sent.
+        token_t_s: arrival time of each output token (len == output tokens on success), see
+            :func:`token_arrival_times`.
+        token_model: index (in ``models``) of the model that wrote each output token; empty when
+            the server sent no trace.
+        models: the deployment's model names (from the trace).
+    """
 
     ttft_s: float
     itl_s: List[float]
@@ -30,6 +76,10 @@ class RequestRecord:
     tokens_by_model: Dict[str, int]
     handoffs: int
     error: str = ""
+    t_start_s: float = float("nan")
+    token_t_s: List[float] = field(default_factory=list)
+    token_model: List[int] = field(default_factory=list)
+    models: List[str] = field(default_factory=list)
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -42,46 +92,149 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+def spread(xs: Sequence[float]) -> Dict[str, float]:
+    """Mean, min, max, sample standard deviation and 95 % confidence half-width of ``xs``.
+
+    The half-width is Student's t: ``t_{0.975, n-1} * sd / sqrt(n)`` (NaN for n < 2).
+
+    Returns:
+        dict with keys ``mean``, ``min``, ``max``, ``sd``, ``ci95``, ``n`` (NaN values for no data).
+    """
+    xs = [float(x) for x in xs if not math.isnan(float(x))]
+    n = len(xs)
+    if not n:
+        return {"mean": float("nan"), "min": float("nan"), "max": float("nan"), "sd": float("nan"),
+                "ci95": float("nan"), "n": 0}
+    sd = statistics.stdev(xs) if n > 1 else float("nan")
+    if n > 1:
+        from scipy.stats import t as student_t
+
+        ci = float(student_t.ppf(0.975, n - 1)) * sd / math.sqrt(n)
+    else:
+        ci = float("nan")
+    return {"mean": statistics.fmean(xs), "min": min(xs), "max": max(xs), "sd": sd, "ci95": ci, "n": n}
+
+
+def load_tokenizer(path: str):
+    """The tokenizer of a checkpoint folder (``tokenizer.json``), as the router's detokeniser takes it.
+
+    Raises:
+        FileNotFoundError: no ``tokenizer.json`` in ``path``.
+    """
+    from tokenizers import Tokenizer
+
+    f = os.path.join(path, "tokenizer.json")
+    if not os.path.exists(f):
+        raise FileNotFoundError(f"no tokenizer.json in {path}")
+    return SimpleNamespace(_tokenizer=Tokenizer.from_file(f))
+
+
+def token_arrival_times(chunks: Sequence[Tuple[float, str]], token_ids: Sequence[int], t_final: float,
+                        tokenizer) -> List[float]:
+    """Arrival time of each output token of one streamed request.
+
+    Args:
+        chunks: ``(client time s, text delta)`` of each streamed chunk with text, in order.
+        token_ids: the request's output token ids (routing trace).
+        t_final: when the final response arrived (s).
+        tokenizer: as :func:`load_tokenizer` returns (``None``: no replay).
+
+    Returns:
+        one time per token (len == len(token_ids)).  With the replay (see the module
+        docstring); if the replayed text differs from the streamed text (or there is no
+        tokenizer), tokens are spread over the chunks in proportion to their characters.
+    """
+    n = len(token_ids)
+    if n == 0:
+        return []
+    cum, total = [], 0
+    for _t, s in chunks:
+        total += len(s)
+        cum.append(total)
+    streamed = "".join(s for _t, s in chunks)
+    lens: Optional[List[int]] = None
+    if tokenizer is not None:
+        from tokenrouter.detok import IncrementalDetokenizer
+
+        d = IncrementalDetokenizer(tokenizer)
+        lens = []
+        for t in token_ids:
+            d.add([t])
+            lens.append(len(d.text))
+        if not d.text.startswith(streamed):
+            lens = None
+    if lens is None:  # proportional fallback
+        lens = [math.ceil(total * (i + 1) / n) for i in range(n)]
+    out, k, prev = [], 0, 0
+    for L in lens:
+        need_new = L == prev  # no text of its own: it travels with the next chunk that brings text
+        while k < len(cum) and (cum[k] < L or (need_new and cum[k] <= prev)):
+            k += 1
+        out.append(chunks[k][0] if k < len(cum) else t_final)
+        prev = L
+    return out
+
+
 def triton_client(url: str, model: str = "token_router") -> Callable:
-    """A generate function streaming from a Triton router model over gRPC."""
+    """A generate function streaming from a Triton router model over gRPC (with the routing trace)."""
+    from tokenrouter.cli import stream_generate
+
     def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None]) -> Dict:
-        return stream_generate(url, prompt, sampling, chat=True, model=model, on_text=on_text)
+        return stream_generate(url, prompt, sampling, chat=True, trace=True, model=model, on_text=on_text)
     return gen
 
 
-def _one(gen: Callable, prompt: str, max_tokens: int) -> RequestRecord:
-    stamps: List[float] = []
+def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None) -> RequestRecord:
+    chunks: List[Tuple[float, str]] = []
     t0 = time.perf_counter()
     try:
         out = gen(prompt, {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-                  lambda s: stamps.append(time.perf_counter()))
+                  lambda s: chunks.append((time.perf_counter(), s)) if s else None)
     except Exception as e:  # noqa: BLE001
-        return RequestRecord(float("nan"), [], time.perf_counter() - t0, 0, {}, 0, error=str(e))
+        return RequestRecord(float("nan"), [], time.perf_counter() - t0, 0, {}, 0, error=str(e) or repr(e),
+                             t_start_s=t0)
     t1 = time.perf_counter()
     s = out.get("routing_summary", {})
+    tr = out.get("routing_trace") or {}
+    n = int(out.get("num_output_tokens", 0))
+    ids = list(tr.get("token_ids", []))
+    if len(ids) != n:
+        ids = []
+    stamps = [c[0] for c in chunks]
+    times = token_arrival_times(chunks, ids, t1, tokenizer) if ids else (
+        token_arrival_times(chunks, [0] * n, t1, None))
     return RequestRecord(
         ttft_s=(stamps[0] - t0) if stamps else t1 - t0,
         itl_s=[b - a for a, b in zip(stamps, stamps[1:])],
         e2e_s=t1 - t0,
-        output_tokens=int(out.get("num_output_tokens", 0)),
+        output_tokens=n,
         tokens_by_model=dict(s.get("tokens_by_model", {})),
         handoffs=int(s.get("handoffs", 0)),
+        t_start_s=t0,
+        token_t_s=times,
+        token_model=[int(i) for i in tr.get("trace", [])] if len(tr.get("trace", [])) == n else [],
+        models=list(tr.get("models", [])),
     )
 
 
+def _gen_for(target, model: str) -> Callable:
+    return triton_client(target, model) if isinstance(target, str) else target
+
+
 def run_load(target, prompts: Sequence[str], concurrency: int, max_tokens: int,
-             requests_per_client: int = 1, model: str = "token_router") -> Dict:
-    """Run ``concurrency`` clients, ``requests_per_client`` requests each.
+             requests_per_client: int = 1, model: str = "token_router", tokenizer=None) -> Dict:
+    """One-shot load: ``concurrency`` clients, ``requests_per_client`` requests each.
 
     Args:
         target: a Triton gRPC URL (then ``model`` is the router model to call) or a
             generate function ``gen(prompt, sampling, on_text) -> dict`` (e.g.
             ``DirectRouter.generate`` for the no-Triton baseline).
+        tokenizer: :func:`load_tokenizer` result for per-token arrival times (optional).
 
     Returns:
         dict with ``records`` (list of RequestRecord dicts) and ``wall_s``.
     """
-    gen = triton_client(target, model) if isinstance(target, str) else target
+    gen = _gen_for(target, model)
     counter = iter(range(10**9))
     lock = threading.Lock()
 
@@ -90,7 +243,7 @@ def run_load(target, prompts: Sequence[str], concurrency: int, max_tokens: int,
         for _r in range(requests_per_client):
             with lock:
                 i = next(counter)
-            recs.append(_one(gen, prompts[i % len(prompts)], max_tokens))
+            recs.append(_one(gen, prompts[i % len(prompts)], max_tokens, tokenizer))
         return recs
 
     t0 = time.perf_counter()
@@ -100,25 +253,244 @@ def run_load(target, prompts: Sequence[str], concurrency: int, max_tokens: int,
     return {"records": [asdict(r) for rs in results for r in rs], "wall_s": wall}
 
 
-def summarize(run: Dict, llm: str = "llm") -> Dict[str, float]:
-    """Aggregate a :func:`run_load` result.
+def latency_stats(recs: Sequence[Dict]) -> Dict[str, float]:
+    """TTFT, ITL and end-to-end latency percentiles (p50/p90/p99, seconds) of successful requests.
 
-    Returns keys: throughput_tok_s, ttft_p50_s, itl_p50_s, itl_p99_s,
-    e2e_p50_s, llm_share, handoffs_per_request, requests, errors, output_tokens.
+    ITL is genai-perf's per-request inter-token latency: ``(e2e − TTFT) / (output tokens − 1)``
+    (requests with at least 2 tokens).  Keys: ``ttft_p50_s`` … ``e2e_p99_s``.
+    """
+    ttft = [r["ttft_s"] for r in recs]
+    e2e = [r["e2e_s"] for r in recs]
+    itl = [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in recs if r["output_tokens"] > 1]
+    out = {}
+    for name, xs in (("ttft", ttft), ("itl", itl), ("e2e", e2e)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_s"] = percentile(xs, q)
+    return out
+
+
+def summarize(run: Dict, llm: str = "llm") -> Dict[str, float]:
+    """Aggregate a one-shot :func:`run_load` result.
+
+    Returns keys: throughput_tok_s (all output tokens / wall time), requests_per_s,
+    the :func:`latency_stats` keys, llm_share, handoffs_per_request, requests, errors,
+    output_tokens.
     """
     recs = [r for r in run["records"] if not r["error"]]
     toks = sum(r["output_tokens"] for r in recs)
     by_llm = sum(r["tokens_by_model"].get(llm, 0) for r in recs)
-    itl = [x for r in recs for x in r["itl_s"]]
+    wall = run["wall_s"]
     return {
-        "throughput_tok_s": toks / run["wall_s"] if run["wall_s"] > 0 else float("nan"),
-        "ttft_p50_s": percentile([r["ttft_s"] for r in recs], 50),
-        "itl_p50_s": percentile(itl, 50),
-        "itl_p99_s": percentile(itl, 99),
-        "e2e_p50_s": percentile([r["e2e_s"] for r in recs], 50),
+        "throughput_tok_s": toks / wall if wall > 0 else float("nan"),
+        "requests_per_s": len(recs) / wall if wall > 0 else float("nan"),
+        **latency_stats(recs),
         "llm_share": by_llm / toks if toks else float("nan"),
         "handoffs_per_request": statistics.fmean([r["handoffs"] for r in recs]) if recs else float("nan"),
         "requests": len(recs),
         "errors": len(run["records"]) - len(recs),
         "output_tokens": toks,
     }
+
+
+def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = "llm",
+                   probes: Optional[Sequence[Dict[str, Dict[str, float]]]] = None) -> Dict[str, Any]:
+    """Steady-state figures of one measurement, from the records of a :class:`SteadyLoad`.
+
+    Args:
+        records: RequestRecord dicts (any time; the ones outside the period are ignored as below).
+        bounds: window boundaries ``[t0, t1, …, tW]`` (perf_counter s, increasing, W >= 1).
+        llm: name of the large model (LLM token share).
+        probes: optional, one per boundary: ``{model: admin.model_stats(...)}``; a model's busy
+            share of window w is the increase of its ``step_time_s`` counter over the window
+            divided by the window's length.
+
+    Returns:
+        ``throughput_tok_s`` (mean over windows of output tokens whose arrival time lies in
+        ``[t_w, t_{w+1})``, divided by the window length), ``throughput`` (:func:`spread` of the
+        per-window values), ``throughput_tok_s_windows``; the same for requests/s (requests that
+        completed inside a window): ``requests_per_s``, ``requests``; :func:`latency_stats` of the
+        successful requests that *started* in ``[t0, tW)``; ``llm_share`` (share of the tokens
+        streamed in ``[t0, tW)`` that ``llm`` wrote; from the routing summaries of the requests
+        started in the period when a trace is missing); ``handoffs_per_request`` and ``errors``
+        over requests started in the period; ``requests_started``; ``output_tokens`` (streamed in
+        the period); ``window_s``; ``busy_share`` ``{model: spread dict}`` when probes are given.
+
+    Raises:
+        ValueError: fewer than 2 bounds, bounds not increasing, or probes of the wrong length.
+    """
+    if len(bounds) < 2 or any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"bounds must be >= 2 increasing times, got {list(bounds)}")
+    if probes is not None and len(probes) != len(bounds):
+        raise ValueError(f"{len(probes)} probes for {len(bounds)} bounds")
+    t0, tW = bounds[0], bounds[-1]
+    W = len(bounds) - 1
+    tok = [0] * W
+    done = [0] * W
+    llm_tok = in_tok = 0
+    have_trace = True
+    for r in records:
+        if r["error"]:
+            continue
+        for t in r["token_t_s"]:
+            for w in range(W):
+                if bounds[w] <= t < bounds[w + 1]:
+                    tok[w] += 1
+                    break
+        end = r["t_start_s"] + r["e2e_s"]
+        for w in range(W):
+            if bounds[w] <= end < bounds[w + 1]:
+                done[w] += 1
+                break
+        inside = [i for i, t in enumerate(r["token_t_s"]) if t0 <= t < tW]
+        if inside:
+            if len(r.get("token_model", [])) != len(r["token_t_s"]) or llm not in r.get("models", []):
+                have_trace = False
+            else:
+                k = r["models"].index(llm)
+                llm_tok += sum(1 for i in inside if r["token_model"][i] == k)
+                in_tok += len(inside)
+    lens = [b - a for a, b in zip(bounds, bounds[1:])]
+    tps = [n / L for n, L in zip(tok, lens)]
+    rps = [n / L for n, L in zip(done, lens)]
+    started = [r for r in records if t0 <= r["t_start_s"] < tW]
+    ok = [r for r in started if not r["error"]]
+    if have_trace:
+        llm_share = llm_tok / in_tok if in_tok else float("nan")
+    else:
+        toks = sum(r["output_tokens"] for r in ok)
+        llm_share = sum(r["tokens_by_model"].get(llm, 0) for r in ok) / toks if toks else float("nan")
+    th, rq = spread(tps), spread(rps)
+    out: Dict[str, Any] = {
+        "throughput_tok_s": th["mean"], "throughput": th, "throughput_tok_s_windows": tps,
+        "requests_per_s": rq["mean"], "requests": rq, "requests_per_s_windows": rps,
+        **latency_stats(ok),
+        "llm_share": llm_share,
+        "handoffs_per_request": statistics.fmean([r["handoffs"] for r in ok]) if ok else float("nan"),
+        "requests_started": len(started), "errors": len(started) - len(ok),
+        "output_tokens": sum(tok), "window_s": statistics.fmean(lens), "windows": W,
+    }
+    if probes is not None:
+        out["busy_share"] = {m: spread([(probes[w + 1][m]["step_time_s"] - probes[w][m]["step_time_s"]) / lens[w]
+                                        for w in range(W)]) for m in probes[0]}
+    return out
+
+
+class SteadyLoad:
+    """N closed-loop clients sending requests back to back until :meth:`stop`.
+
+    Args:
+        target: Triton gRPC URL (``model`` is the router model) or a generate function
+            ``gen(prompt, sampling, on_text) -> dict`` (it should return ``routing_trace``
+            with ``token_ids``/``trace``/``models`` for exact token times).
+        prompts: prompts, used round robin.
+        concurrency: N (>= 1).
+        max_tokens: output tokens per request (``ignore_eos``, greedy).
+        tokenizer: :func:`load_tokenizer` result (token arrival replay).
+
+    Use: ``start()``, then one or more ``measure(...)`` (settings may change between them:
+    each measurement waits for its own warm-up), then ``stop()`` (drains in-flight requests).
+    """
+
+    def __init__(self, target, prompts: Sequence[str], concurrency: int, max_tokens: int,
+                 model: str = "token_router", tokenizer=None):
+        if concurrency < 1 or max_tokens < 1 or not prompts:
+            raise ValueError("concurrency and max_tokens must be >= 1 and prompts non-empty")
+        self._gen = _gen_for(target, model)
+        self.prompts, self.N, self.max_tokens, self.tokenizer = list(prompts), concurrency, max_tokens, tokenizer
+        self.records: List[RequestRecord] = []
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._threads: List[threading.Thread] = []
+        self._next = 0
+        self._last_start_done = [float("-inf")] * concurrency  # start time of each client's last finished request
+        self.t_started = float("nan")  # perf_counter time of start()
+
+    def start(self) -> "SteadyLoad":
+        """Start the N client threads."""
+        self.t_started = time.perf_counter()
+        for c in range(self.N):
+            th = threading.Thread(target=self._client, args=(c,), name=f"steady-client-{c}", daemon=True)
+            th.start()
+            self._threads.append(th)
+        return self
+
+    def _client(self, c: int) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                i = self._next
+                self._next += 1
+            rec = _one(self._gen, self.prompts[i % len(self.prompts)], self.max_tokens, self.tokenizer)
+            with self._cv:
+                self.records.append(rec)
+                self._last_start_done[c] = rec.t_start_s
+                self._cv.notify_all()
+            if rec.error:
+                time.sleep(0.1)  # a failing server: do not spin
+
+    def wait_warm(self, since: float, timeout_s: float = 1800.0) -> float:
+        """Block until every client has finished a request sent at or after ``since``; return the time.
+
+        Raises:
+            TimeoutError: not warm after ``timeout_s``.
+        """
+        with self._cv:
+            if not self._cv.wait_for(lambda: min(self._last_start_done) >= since, timeout=timeout_s):
+                raise TimeoutError(f"clients not warm after {timeout_s} s")
+        return time.perf_counter()
+
+    def measure(self, duration_s: float, windows: int = 3, probe: Optional[Callable[[], Dict]] = None,
+                min_warmup_s: float = 0.0, warm_timeout_s: float = 1800.0,
+                since: Optional[float] = None) -> Dict[str, Any]:
+        """Warm up, then measure ``windows`` consecutive windows of ``duration_s / windows`` each.
+
+        Args:
+            duration_s: length of the measurement period (s, > 0), warm-up excluded.
+            windows: number of windows (>= 1).
+            probe: called at every window boundary (e.g. model counters); its results are returned.
+            min_warmup_s: warm up at least this long (s, counted from ``since``), besides every client
+                finishing a request.
+            since: the warm-up waits for every client to finish a request sent at or after this time
+                (perf_counter s; default: now).  Pass :attr:`t_started` for the first measurement of a
+                fresh load, whose first requests were sent before ``measure`` was called.
+
+        Returns:
+            ``{"bounds": [t0 … tW], "probes": [...] or None, "warmup_s": s}``; feed it with
+            :meth:`snapshot` or :meth:`stop` records to :func:`window_summary`.
+
+        Raises:
+            ValueError: bad ``duration_s`` / ``windows``.
+            TimeoutError: the clients did not warm up within ``warm_timeout_s``.
+        """
+        if duration_s <= 0 or windows < 1:
+            raise ValueError("duration_s must be > 0 and windows >= 1")
+        since = time.perf_counter() if since is None else since
+        self.wait_warm(since, warm_timeout_s)
+        while (now := time.perf_counter()) < since + min_warmup_s:
+            time.sleep(min(0.05, since + min_warmup_s - now))
+        # a boundary is the time a probe returned: the models answer between steps, so their
+        # counters are read at the end of the step under way when the probe was sent
+        probes = [probe()] if probe else None
+        t0 = time.perf_counter()
+        bounds = [t0]
+        for w in range(1, windows + 1):
+            target = t0 + duration_s * w / windows
+            while (now := time.perf_counter()) < target:
+                time.sleep(min(0.05, target - now))
+            if probe:
+                probes.append(probe())
+            bounds.append(time.perf_counter())
+        return {"bounds": bounds, "probes": probes, "warmup_s": t0 - since}
+
+    def stop(self, timeout_s: float = 1800.0) -> List[Dict]:
+        """Send no new requests, wait for the in-flight ones (the drain) and return all records as dicts."""
+        self._stop.set()
+        end = time.monotonic() + timeout_s
+        for th in self._threads:
+            th.join(timeout=max(0.0, end - time.monotonic()))
+        with self._cv:
+            return [asdict(r) for r in self.records]
+
+    def snapshot(self) -> List[Dict]:
+        """Records finished so far, as dicts (the load keeps running)."""
+        with self._cv:
+            return [asdict(r) for r in self.records]

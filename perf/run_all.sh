@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The whole benchmark plan in one command: the matrix (table + plots, every mode
 # against its baselines), the DTMC-vs-server comparison and the time breakdown,
-# all measured on this machine in one run.  Extra arguments go to bench_matrix.py
-# (e.g. --full on GPU hosts).  Results: perf/results/all-<time>/.
+# all measured on this machine in one run, in steady state (N clients sending back to
+# back; warm-up and drain excluded; ~50 min on 2 cores with the defaults).  Extra
+# arguments go to bench_matrix.py (e.g. --duration 60, or --full on GPU hosts).
+# Results: perf/results/all-<time>/.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 # shellcheck source=deploy/env.sh

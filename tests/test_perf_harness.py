@@ -1,11 +1,180 @@
-"""The benchmark harness runs end to end on a tiny setting (speed itself is measured in perf/, not here)."""
+"""The benchmark harness: steady-state window accounting on synthetic records, token arrival times,
+a steady load against the real server, and bench_matrix end to end on a tiny setting (speed itself is
+measured in perf/, not here)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
+
+from loadgen import (SteadyLoad, latency_stats, load_tokenizer, percentile, spread,  # noqa: E402
+                     token_arrival_times, window_summary)
+
+T975 = {2: 4.302652729911275, 3: 3.182446305284263}  # Student's t, 0.975 quantile, by degrees of freedom
+
+
+def rec(t_start, token_t, ttft=None, e2e=None, models=("slm", "llm"), token_model=None, handoffs=0, error=""):
+    """A RequestRecord dict as loadgen makes it (times in s)."""
+    e2e = e2e if e2e is not None else (max(token_t) - t_start if token_t else 1.0)
+    return {"ttft_s": ttft if ttft is not None else (min(token_t) - t_start if token_t else float("nan")),
+            "itl_s": [], "e2e_s": e2e, "output_tokens": len(token_t) if not error else 0,
+            "tokens_by_model": {"slm": len(token_t)}, "handoffs": handoffs, "error": error, "t_start_s": t_start,
+            "token_t_s": list(token_t), "models": list(models),
+            "token_model": list(token_model) if token_model is not None else [0] * len(token_t)}
+
+
+def test_tokens_counted_in_the_window_they_arrived_in():
+    # one request streaming across two window boundaries: 3 tokens in w0, 2 in w1, 1 in w2
+    r = rec(9.5, [10.1, 10.5, 10.9, 11.0, 11.7, 12.2])
+    s = window_summary([r], [10.0, 11.0, 12.0, 13.0])
+    assert s["throughput_tok_s_windows"] == [3.0, 2.0, 1.0]
+    assert s["throughput_tok_s"] == pytest.approx(2.0)
+    assert s["output_tokens"] == 6 and s["windows"] == 3 and s["window_s"] == pytest.approx(1.0)
+    # windows of unequal length: tokens / that window's length
+    s2 = window_summary([r], [10.0, 11.0, 13.0])
+    assert s2["throughput_tok_s_windows"] == [3.0, 1.5]
+
+
+def test_warmup_and_drain_excluded():
+    bounds = [100.0, 102.0, 104.0, 106.0]
+    warm = rec(90.0, [95.0, 99.0, 100.5], ttft=5.0, e2e=10.6)       # started in the warm-up
+    inside = rec(101.0, [101.5, 103.0, 105.9, 107.0, 108.0], ttft=0.5, e2e=7.0)  # ends in the drain
+    drain = rec(106.5, [107.0, 108.0], ttft=0.5, e2e=2.0)           # started after the period
+    failed = rec(103.0, [], error="boom")
+    s = window_summary([warm, inside, drain, failed], bounds)
+    # tokens: warm's 100.5; inside's 101.5, 103.0, 105.9; nothing at or after 106
+    assert s["throughput_tok_s_windows"] == [1.0, 0.5, 0.5]
+    assert s["output_tokens"] == 4
+    # latencies only from requests that started in the period (inside; failed has no latency)
+    assert s["requests_started"] == 2 and s["errors"] == 1
+    assert s["ttft_p50_s"] == pytest.approx(0.5) and s["e2e_p99_s"] == pytest.approx(7.0)
+    # requests/s counts completions inside a window: warm ends at 100.6 (w0); inside ends at 108 (drain)
+    assert s["requests_per_s_windows"] == [0.5, 0.0, 0.0]
+    # the request that started before the period is outside the latency figures even though it ended inside
+    assert s["e2e_p50_s"] == pytest.approx(7.0)
+
+
+def test_llm_share_of_tokens_streamed_in_the_period_and_handoffs():
+    bounds = [0.0, 1.0, 2.0]
+    a = rec(-0.5, [-0.1, 0.2, 0.4, 0.6], token_model=[1, 1, 0, 0], handoffs=1)  # 1 of its 3 in-period tokens by llm
+    b = rec(0.1, [0.5, 1.5, 2.5], token_model=[0, 1, 1], handoffs=3)          # 1 of its 2 in-period tokens by llm
+    s = window_summary([a, b], bounds)
+    assert s["llm_share"] == pytest.approx(2 / 5)
+    assert s["handoffs_per_request"] == pytest.approx(3.0)  # only b started in the period
+    # without a trace: the routing summaries of the requests that started in the period
+    b2 = dict(b, token_model=[], tokens_by_model={"slm": 1, "llm": 2})
+    assert window_summary([b2], bounds)["llm_share"] == pytest.approx(2 / 3)
+
+
+def test_busy_share_from_counter_probes():
+    bounds = [0.0, 2.0, 4.0, 6.0]
+    probes = [{"slm": {"step_time_s": v}, "llm": {"step_time_s": w}}
+              for v, w in ((10.0, 1.0), (11.0, 3.0), (12.0, 5.0), (13.5, 6.0))]
+    s = window_summary([rec(0.5, [1.0])], bounds, probes=probes)
+    assert s["busy_share"]["slm"]["mean"] == pytest.approx((0.5 + 0.5 + 0.75) / 3)
+    assert s["busy_share"]["llm"]["max"] == pytest.approx(1.0) and s["busy_share"]["llm"]["min"] == pytest.approx(0.5)
+    with pytest.raises(ValueError):
+        window_summary([], bounds, probes=probes[:2])
+    with pytest.raises(ValueError):
+        window_summary([], [1.0])
+    with pytest.raises(ValueError):
+        window_summary([], [1.0, 1.0])
+
+
+def test_percentiles_latency_stats_and_spread():
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    assert percentile([5.0], 90) == 5.0 and math.isnan(percentile([], 50))
+    recs = [rec(0.0, [0.1 * (k + 1) + 0.2 * j for j in range(5)], e2e=0.1 * (k + 1) + 0.8) for k in range(10)]
+    st = latency_stats(recs)
+    assert st["ttft_p50_s"] == pytest.approx(0.55) and st["ttft_p90_s"] == pytest.approx(0.91)
+    assert st["itl_p50_s"] == pytest.approx(0.2) and st["itl_p99_s"] == pytest.approx(0.2)  # (e2e-ttft)/(5-1)
+    assert st["e2e_p99_s"] == pytest.approx(1.791)
+    sp = spread([10.0, 12.0, 14.0])
+    assert (sp["mean"], sp["min"], sp["max"], sp["n"]) == (12.0, 10.0, 14.0, 3)
+    assert sp["sd"] == pytest.approx(2.0) and sp["ci95"] == pytest.approx(T975[2] * 2.0 / math.sqrt(3))
+    one = spread([7.0])
+    assert one["mean"] == 7.0 and math.isnan(one["ci95"])
+
+
+def test_ratio_interval_from_window_spread():
+    from bench_matrix import ratio_interval
+
+    a = {"throughput_tok_s": 20.0, "throughput": spread([18.0, 20.0, 22.0])}
+    b = {"throughput_tok_s": 10.0, "throughput": spread([10.0, 10.0, 10.0])}
+    r, lo, hi = ratio_interval(a, b)
+    h = T975[2] * math.sqrt(4.0 / (3 * 400.0))
+    assert r == 2.0 and lo == pytest.approx(2 * math.exp(-h)) and hi == pytest.approx(2 * math.exp(h))
+    r1, lo1, _ = ratio_interval({"throughput_tok_s": 20.0}, b)  # one-shot row: ratio without an interval
+    assert r1 == 2.0 and math.isnan(lo1)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenrouter.triton_common import resolve_model_path
+
+    return load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+
+
+def test_token_arrival_times_replay_the_router_detokeniser(tokenizer):
+    from tokenrouter.detok import IncrementalDetokenizer
+
+    ids = tokenizer._tokenizer.encode("Hello wörld ✓ and more ✓").ids
+    d, chunks = IncrementalDetokenizer(tokenizer), []
+    for i, t in enumerate(ids):  # the router streams one chunk per text-producing step
+        x = d.add([t])
+        if x:
+            chunks.append((float(i), x))
+    times = token_arrival_times(chunks, ids, 99.0, tokenizer)
+    assert len(times) == len(ids)
+    assert all(t >= i for i, t in enumerate(times))  # never before the token was written
+    # a token whose text is part of a character arrives with the chunk that completes it
+    assert times == [float(min(j for j, _ in chunks if j >= i)) for i in range(len(ids))]
+    # tokens whose text never came in a chunk arrive with the final response
+    assert token_arrival_times(chunks[:-1], ids, 99.0, tokenizer)[-1] == 99.0
+    # no tokenizer: spread over the chunks by characters, still one time per token
+    prop = token_arrival_times(chunks, ids, 99.0, None)
+    assert len(prop) == len(ids) and prop == sorted(prop) and prop[-1] == chunks[-1][0]
+
+
+def test_steady_load_against_the_server(triton_server, tokenizer):
+    from tokenrouter import admin
+
+    url = triton_server.grpc_url
+    prompts = ["Name a colour.", "Count to five."]
+    load = SteadyLoad(url, prompts, 2, 6, tokenizer=tokenizer).start()
+    try:
+        m = load.measure(3.0, windows=2, probe=lambda: {x: admin.model_stats(url, x) for x in ("slm", "llm")})
+    finally:
+        recs = load.stop()
+    ok = [r for r in recs if not r["error"]]
+    assert ok and len(ok) == len(recs), [r["error"] for r in recs]
+    for r in ok:  # every token of every request got an arrival time inside the request's life
+        assert r["output_tokens"] == 6 and len(r["token_t_s"]) == 6 and len(r["token_model"]) == 6
+        assert r["t_start_s"] < min(r["token_t_s"]) and max(r["token_t_s"]) <= r["t_start_s"] + r["e2e_s"] + 1e-6
+    # warm-up: both clients finished a request before the period began
+    assert sum(1 for r in ok if r["t_start_s"] + r["e2e_s"] <= m["bounds"][0]) >= 2
+    s = window_summary(recs, m["bounds"], probes=m["probes"])
+    assert s["output_tokens"] > 0 and len(s["throughput_tok_s_windows"]) == 2
+    assert s["output_tokens"] < sum(r["output_tokens"] for r in ok)  # warm-up and drain tokens left out
+    assert s["errors"] == 0 and 0 <= s["llm_share"] <= 1
+    started = [r for r in ok if m["bounds"][0] <= r["t_start_s"] < m["bounds"][-1]]
+    assert s["requests_started"] == len(started)
+    if started:  # latencies come from the requests that started in the period (a loaded machine may have none)
+        assert s["ttft_p50_s"] == pytest.approx(percentile([r["ttft_s"] for r in started], 50)) and s["ttft_p50_s"] > 0
+    else:
+        assert math.isnan(s["ttft_p50_s"])
+    assert 0 < s["busy_share"]["slm"]["mean"] <= 1.05
+    for x in ("slm", "llm"):
+        assert admin.model_stats(url, x)["kv_tokens_in_use"] == 0
 
 
 def test_bench_matrix_tiny(repo_root, tmp_path):
@@ -13,17 +182,22 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     modes = ["tokenrouter", "eager-async", "std-serving", "lock-step", "llm-only", "no-triton"]
     p = subprocess.run([sys.executable, str(repo_root / "perf" / "bench_matrix.py"), "--pairs", "demo",
                         "--concurrency", "2", "--max-tokens", "4", "--modes", ",".join(modes), "--out", str(out),
-                        "--algorithm-params", '{"tau": 0.25}'],
+                        "--duration", "1.5", "--algorithm-params", '{"tau": 0.25}'],
                        cwd=repo_root, capture_output=True, text=True, timeout=1500, env=os.environ.copy())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["measurement"] == "steady-state" and res["settings"]["windows"] == 3
     rows = {r["mode"]: r for r in res["rows"]}
     assert sorted(rows) == sorted(modes)
     for mode, r in rows.items():
         assert r["errors"] == 0, (mode, r)
         assert r["throughput_tok_s"] > 0 and r["N"] == 2 and r["max_tokens"] == 4, (mode, r)
+        assert len(r["throughput_tok_s_windows"]) == 3 and r["throughput"]["n"] == 3, (mode, r)
+        if r["requests_started"]:  # latencies of the requests that started in the period (maybe none here)
+            assert r["e2e_p99_s"] >= r["e2e_p50_s"] > 0, (mode, r)
     # every mode ran its own configuration: llm-only routes nothing to the SLM, tokenrouter got a B*
     assert rows["llm-only"]["llm_share"] == 1.0 and rows["llm-only"]["handoffs_per_request"] == 0
+    assert rows["llm-only"]["busy_share"]["slm"]["max"] == 0.0 and rows["llm-only"]["busy_share"]["llm"]["mean"] > 0
     assert set(rows["tokenrouter"]["B_star"]) == {"slm", "llm"}
     # --algorithm-params is merged into the router's parameters (the demo's max_llm_run etc. kept)
     from tokenrouter.repository import read_config
@@ -34,5 +208,5 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
                       .parameters["algorithm_params"].string_value)
     assert params == {**base, "tau": 0.25} and res["settings"]["algorithm_params"] == {"tau": 0.25}
     md = (out / "results.md").read_text()
-    assert "Throughput ratio tokenrouter / baseline" in md and "no-triton" in md
+    assert "Throughput ratio tokenrouter / baseline" in md and "no-triton" in md and "p50/p90/p99" in md
     assert list(out.glob("throughput_vs_N_demo_*.png")) and (out / "throughput_vs_length_demo.png").exists()
