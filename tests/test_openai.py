@@ -1,0 +1,289 @@
+"""The OpenAI-compatible front end (tokenrouter.openai_frontend) with real clients.
+
+One front end process per module, in front of the session's tritonserver: the
+official ``openai`` client (chat and completions, streamed and not), LiteLLM
+through its OpenAI provider and through its Triton provider (straight to
+Triton's generate endpoint), OpenAI-format errors and cancellation.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tr_client import generate, model_stats, wait_kv_released
+from tritonserver import free_ports
+
+openai = pytest.importorskip("openai")
+
+MODEL = "token_router"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, tmp_path_factory):
+    """``python -m tokenrouter.openai_frontend`` on a free port; yields its base URL (``http://…:port``)."""
+    port = free_ports(1)[0]
+    log = tmp_path_factory.mktemp("openai_frontend") / "frontend.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenrouter.openai_frontend", "--triton-url", triton_server.grpc_url,
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+            stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"front end exited with {proc.returncode}:\n{log.read_text()}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > deadline:
+                pytest.fail(f"front end not healthy after 120 s:\n{log.read_text()}")
+            time.sleep(0.3)
+        yield base
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(frontend):
+    return openai.OpenAI(base_url=frontend + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenrouter.openai_frontend import load_tokenizer
+    from tokenrouter.triton_common import resolve_model_path
+
+    return load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+
+
+def _error(e: "openai.APIStatusError") -> dict:
+    body = e.response.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_chat_matches_router_and_reports_usage(client, triton_server):
+    """Greedy chat answer = token_router's own answer with apply_chat_template (same prompt tokens)."""
+    r = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, temperature=0)
+    direct = generate(triton_server, QUESTION[0]["content"], {"max_tokens": 16, "temperature": 0}, chat=True)
+    assert direct["_status"] == 200, direct
+    choice = r.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == direct["text_output"]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == direct["finish_reason"]
+    assert r.usage.prompt_tokens == direct["num_input_tokens"]
+    assert r.usage.completion_tokens == direct["num_output_tokens"] <= 16
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    summary = r.model_extra["routing_summary"]
+    assert sum(summary["tokens_by_model"].values()) == r.usage.completion_tokens
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion" and r.model == MODEL
+
+
+def test_chat_stream_equals_non_stream(client):
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content
+    finish = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].choices[0].finish_reason == full.choices[0].finish_reason
+    assert sum(finish[0].model_extra["routing_summary"]["tokens_by_model"].values()) == \
+        full.usage.completion_tokens
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_max_tokens_honoured(client, stream):
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "Write a long essay about the sea."}],
+              max_tokens=5, temperature=0.7, seed=3, extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 5
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["length"]
+    else:
+        r = client.chat.completions.create(**kw)
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+        # max_completion_tokens is the newer name of the same setting
+        kw.pop("max_tokens")
+        r2 = client.chat.completions.create(**kw, max_completion_tokens=3)
+        assert r2.usage.completion_tokens == 3
+
+
+def test_multi_turn_chat_renders_every_message(client, tokenizer):
+    """All turns reach the model: the prompt token count is that of the whole rendered conversation."""
+    messages = [{"role": "system", "content": "You answer in one word."},
+                {"role": "user", "content": "Name a colour."},
+                {"role": "assistant", "content": "Blue."},
+                {"role": "user", "content": [{"type": "text", "text": "Name "}, {"type": "text", "text": "another."}]}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    flat = messages[:3] + [{"role": "user", "content": "Name another."}]
+    want = tokenizer.apply_chat_template(flat, add_generation_prompt=True, tokenize=False)
+    last_only = tokenizer.apply_chat_template(flat[-1:], add_generation_prompt=True, tokenize=False)
+    assert len(tokenizer.encode(want)) != len(tokenizer.encode(last_only))
+    assert r.usage.prompt_tokens == len(tokenizer.encode(want))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_stop_strings(client, stream):
+    kw = dict(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=12, temperature=0)
+    free = client.completions.create(**kw)
+    assert " 7," in free.choices[0].text, free.choices[0].text  # the stop string would occur
+    if stream:
+        chunks = list(client.completions.create(**kw, stop=[" 7", "zzz"], stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices[0].finish_reason]
+    else:
+        r = client.completions.create(**kw, stop=" 7")
+        text, finish = r.choices[0].text, [r.choices[0].finish_reason]
+        assert r.object == "text_completion" and r.model_extra["routing_summary"]["algorithm"]
+    assert finish == ["stop"]
+    assert " 7" not in text
+    assert free.choices[0].text.startswith(text) and text.strip()
+
+
+def test_errors_are_openai_format(client, frontend):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="gpt-4", messages=QUESTION, max_tokens=4)
+    err = _error(e.value)
+    assert err["param"] == "model" and err["code"] == "model_not_found" and "gpt-4" in err["message"]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, n=2)
+    assert _error(e.value)["param"] == "n"
+
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=0, stream=stream)
+        err = _error(e.value)
+        assert err["param"] == "max_tokens" and err["type"] == "invalid_request_error" and "at least 1" in err["message"]
+
+    # checked by the router itself (context length), answered as a 400 before any token
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=10**6, stream=True)
+    assert "context length" in _error(e.value)["message"]
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+    assert _error(e.value)["param"] == "messages[0].role"
+
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"best_of_all": 1})
+    assert _error(e.value)["param"] == "best_of_all"
+
+    # malformed JSON and wrong types: still OpenAI-format 400s
+    req = urllib.request.Request(frontend + "/v1/completions", data=b'{"model": ', method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(req, timeout=30)
+    assert he.value.code == 400 and "error" in json.loads(he.value.read())
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"temperature": "hot"})
+    assert _error(e.value)["param"] == "temperature"
+
+
+def test_client_cancel_frees_kv(client, frontend, triton_server):
+    """Closing a stream, or dropping the connection of a non-streamed request, cancels the router request."""
+    kw = dict(model=MODEL, prompt="Tell me a long story.", max_tokens=400, extra_body={"ignore_eos": True})
+    with client.completions.create(**kw, stream=True) as s:
+        got = 0
+        for c in s:
+            got += bool(c.choices[0].text)
+            if got >= 3:
+                break
+        assert sum(model_stats(triton_server, m)["active"] for m in ("slm", "llm")) >= 1
+    st = wait_kv_released(triton_server)
+    assert all(v["kv_tokens_in_use"] == 0 and v["active"] == 0 for v in st.values()), st
+
+    host, port = frontend.rsplit("//", 1)[1].split(":")
+    body = json.dumps({"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400,
+                       "ignore_eos": True}).encode()
+    sock = socket.create_connection((host, int(port)))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.time() + 120
+        while sum(model_stats(triton_server, m)["active"] for m in ("slm", "llm")) == 0:
+            assert time.time() < deadline, "the request never became active"
+            time.sleep(0.2)
+    finally:
+        sock.close()
+    st = wait_kv_released(triton_server)
+    assert all(v["kv_tokens_in_use"] == 0 and v["active"] == 0 for v in st.values()), st
+
+
+# ----------------------------------------------------------------------------- LiteLLM
+@pytest.fixture(scope="module")
+def litellm():
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network: use the bundled map
+    return pytest.importorskip("litellm", reason="litellm is not installed (it is pinned in deploy/requirements.txt)")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_litellm_openai_provider(litellm, frontend, stream):
+    kw = dict(model=f"openai/{MODEL}", api_base=frontend + "/v1", api_key="unused", messages=QUESTION,
+              max_tokens=6, temperature=0, stop=["France"])
+    if stream:
+        parts = list(litellm.completion(**kw, stream=True))
+        text = "".join(p.choices[0].delta.content or "" for p in parts)
+        finish = [p.choices[0].finish_reason for p in parts if p.choices[0].finish_reason]
+    else:
+        r = litellm.completion(**kw)
+        text, finish = r.choices[0].message.content, [r.choices[0].finish_reason]
+        assert 0 < r.usage.completion_tokens <= 6
+        assert r.routing_summary["tokens_by_model"]
+    # greedy answer: "The capital of France is Paris."; cut before the stop string
+    assert text.startswith("The capital of") and "France" not in text
+    assert finish == ["stop"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_litellm_triton_provider(litellm, triton_server, tokenizer, stream):
+    """LiteLLM's Triton provider posts to /generate with its settings in the top-level "parameters".
+
+    Needs token_router to read the request's ``parameters`` when ``sampling_parameters``
+    is absent (vllm_backend's behaviour): without it ``max_tokens`` and ``ignore_eos``
+    (LiteLLM passes extra keyword arguments on in "parameters") are ignored.
+    """
+    base = f"http://{triton_server.http_url}/v2/models/{MODEL}/generate"
+    prompt = "Write a long essay about the sea."
+    r = litellm.completion(model=f"triton/{MODEL}", api_base=base, messages=[{"role": "user", "content": prompt}],
+                           max_tokens=4, ignore_eos=True, stream=stream)
+    if stream:
+        text = "".join(p.choices[0].delta.content or "" for p in r)
+    else:
+        text = r.choices[0].message.content
+    out = text[len(prompt):] if text.startswith(prompt) else text  # vllm_backend echoes the prompt
+    assert out.strip()
+    # 4 generated tokens re-encode to about 4 (a BPE merge across the boundary may add one)
+    assert len(tokenizer.encode(out)) <= 5, out
