@@ -111,17 +111,17 @@ def test_repetition_penalty_matches_transformers_across_handoffs(triton_server, 
 
     tok, model = hf_model
     n = 24
-    ids = torch.tensor([tok.encode(PROMPT)])
+    ids = torch.tensor([tok.encode("Once upon a time, a little robot who lived in a lighthouse")])
     with torch.no_grad():
         ref = model.generate(ids, do_sample=False, max_new_tokens=n, repetition_penalty=1.5,
                              attention_mask=torch.ones_like(ids), pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
         plain = model.generate(ids, do_sample=False, max_new_tokens=n, attention_mask=torch.ones_like(ids),
                                pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
     assert ref.tolist() != plain.tolist()  # the penalty matters for this prompt
-    sp = {"max_tokens": n, "temperature": 0, "ignore_eos": True, "repetition_penalty": 1.5}
+    sp = {"max_tokens": n, "temperature": 0, "repetition_penalty": 1.5}  # both stop at EOS
     if threshold is not None:
         sp["routing_threshold"] = threshold
-    out = generate(triton_server, PROMPT, sp)
+    out = generate(triton_server, "Once upon a time, a little robot who lived in a lighthouse", sp)
     assert out["_status"] == 200, out
     if threshold is None:
         assert out["routing_summary"]["handoffs"] > 0
