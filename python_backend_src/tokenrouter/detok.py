@@ -22,15 +22,20 @@ class IncrementalDetokenizer:
     Args:
         tokenizer: a Hugging Face fast tokenizer (its ``_tokenizer`` backend is used).
         stop: stop strings (may be empty).
+        include_stop_str: keep the matched stop string at the end of the text (vLLM's
+            ``include_stop_str_in_output``).
+        skip_special_tokens: leave special tokens (EOS, chat markers) out of the text.
 
     Attributes:
         text: all text released so far (without the stop string).
         stopped: True once a stop string was seen.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), include_stop_str: bool = False,
+                 skip_special_tokens: bool = True):
         self._tk = tokenizer._tokenizer
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._include_stop = include_stop_str
         self._stop = [s for s in stop if s]
         self._hold = max((len(s) for s in self._stop), default=1) - 1
         self._pending = ""  # decoded but not yet released
@@ -49,9 +54,10 @@ class IncrementalDetokenizer:
             out, self._pending = self._pending, ""
             self.text += out
             return out
-        cut = min((i for i in (self._pending.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
-            out = self._pending[:cut]
+        hits = [(i, len(s)) for i, s in ((self._pending.find(s), s) for s in self._stop) if i >= 0]
+        if hits:
+            cut, n = min(hits)
+            out = self._pending[:cut + n] if self._include_stop else self._pending[:cut]
             self._pending = ""
             self.stopped = True
             self.text += out

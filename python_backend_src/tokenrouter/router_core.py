@@ -44,6 +44,12 @@ class RoutedRequest:
             compared with its threshold (None where it has none).
         handoff_log: one dict per handoff (pos, from, to, committed, score).
         handoff_gaps_s: seconds from each handoff event to the peer's first response.
+        logprobs: per output token, its logprob from the model that wrote it
+            (when the request asked for them; None where a model sent none).
+        first_step_t: ``time.monotonic()`` when the first model started the
+            request's first step (None if it did not say).
+        first_token_t, last_token_t: ``time.monotonic()`` when the first and the
+            last output tokens reached the router (None before any).
     """
 
     tokens: List[int]
@@ -56,6 +62,10 @@ class RoutedRequest:
     scores: List[Optional[float]] = field(default_factory=list)
     handoff_log: List[Dict[str, Any]] = field(default_factory=list)
     handoff_gaps_s: List[float] = field(default_factory=list)
+    logprobs: List[Optional[float]] = field(default_factory=list)
+    first_step_t: Optional[float] = None
+    first_token_t: Optional[float] = None
+    last_token_t: Optional[float] = None
 
     @property
     def output_ids(self) -> List[int]:
@@ -102,7 +112,13 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
                     r.handoff_gaps_s.append(time.perf_counter() - handoff_at)
                     handoff_at = None
                 scores = ev.get("scores") or []
+                if r.first_step_t is None and ev.get("first_step_t") is not None:
+                    r.first_step_t = float(ev["first_step_t"])
                 if ids:
+                    now = time.monotonic()
+                    r.first_token_t = r.first_token_t or now
+                    r.last_token_t = now
+                    r.logprobs.extend((list(ev.get("logprobs") or []) + [None] * len(ids))[:len(ids)])
                     r.scores.extend((list(scores) + [None] * len(ids))[:len(ids)])
                     r.tokens.extend(ids)
                     seen[current] = len(r.tokens)
@@ -176,5 +192,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> List[int]:
 def make_header(rid: str, sp, algorithm: str, params: Dict[str, Any], models: List[str],
                 stop_ids: List[int]) -> PeerReq:
     """The first PeerReq of a request from validated :class:`~tokenrouter.sampling.SamplingParams`."""
-    return PeerReq(rid=rid, max_tokens=sp.max_tokens, stop_token_ids=[] if sp.ignore_eos else list(stop_ids),
+    stops = ([] if sp.ignore_eos else list(stop_ids)) + [t for t in getattr(sp, "stop_token_ids", [])
+                                                           if t not in stop_ids]
+    return PeerReq(rid=rid, max_tokens=sp.max_tokens, stop_token_ids=stops,
                    sampling=sp.sampler_dict(), algorithm=algorithm, params=params, models=list(models))

@@ -3,7 +3,12 @@
 ``sampling_parameters`` is a JSON object string, as in Triton's vllm_backend:
 ``{"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 1,
 "stop": ["\\n\\n"], "ignore_eos": false, "routing_threshold": 0.05}``.
-Unknown keys are rejected, so a typo never silently changes behaviour.
+Values are read as vllm_backend reads them: a number may also be given as a
+numeric string (``"32"``, as genai-perf sends it), a boolean as ``"true"`` /
+``"false"``, and ``null`` means "the default".  Unknown keys are rejected, so a
+typo never silently changes behaviour.  When the request has no
+``sampling_parameters`` input, the same keys are read from the request's
+parameters (HTTP generate's ``"parameters"`` object, gRPC request parameters).
 """
 
 from __future__ import annotations
@@ -11,17 +16,17 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = ["SamplingParams", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
-           "normalized_entropy", "MAX_SEED", "SAMPLING_EPS"]
+           "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS"]
 
 
 @dataclass
 class SamplingParams:
-    """Validated per-request sampling parameters.
+    """Validated per-request sampling parameters (vLLM ``SamplingParams`` semantics).
 
     Attributes:
         max_tokens: output budget in tokens (>= 1).
@@ -30,10 +35,30 @@ class SamplingParams:
         top_p: nucleus mass in (0, 1].
         top_k: keep the k most likely tokens; 0 or -1 disables.
         seed: per-request RNG seed (deterministic sampling), or None.
-        stop: stop strings; the output is cut before the first one.
+        stop: stop strings; the output is cut before the first one (or after
+            it with ``include_stop_str_in_output``).
         ignore_eos: keep generating after EOS (benchmarks).
         routing_threshold: per-request override of the routing algorithm's
             threshold parameter, or None.
+        repetition_penalty: > 0; 1 = off.  Logits of tokens seen in the prompt
+            or the output are divided by it when positive, multiplied when
+            negative (CTRL, Keskar et al. 2019, as vLLM applies it).
+        presence_penalty: in [-2, 2]; subtracted once from the logit of every
+            token already in the output (OpenAI / vLLM definition).
+        frequency_penalty: in [-2, 2]; subtracted from a token's logit once per
+            occurrence in the output (OpenAI / vLLM definition).
+        min_tokens: EOS and ``stop_token_ids`` cannot be sampled before this
+            many output tokens (0 <= min_tokens <= max_tokens).
+        stop_token_ids: extra token ids that end the request (kept in the
+            output token ids, as in vLLM).
+        include_stop_str_in_output: keep the matched stop string in the text.
+        skip_special_tokens: leave special tokens out of the text (default true).
+        logprobs: return each output token's log-probability (natural log) under
+            the raw distribution of the model that wrote it (softmax of its
+            logits, before temperature, penalties, top-k / top-p: vLLM's
+            default ``raw_logprobs``).  vLLM's ``logprobs`` is a count of
+            alternatives: only 0 (the sampled token alone) is supported;
+            ``true`` is read as 0.
     """
 
     max_tokens: int = 16
@@ -44,53 +69,111 @@ class SamplingParams:
     stop: List[str] = field(default_factory=list)
     ignore_eos: bool = False
     routing_threshold: Optional[float] = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: List[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    logprobs: Optional[int] = None
 
     def sampler_dict(self) -> Dict[str, Any]:
         """The subset the model subservers need (travels in the PeerReq)."""
-        return {"temperature": self.temperature, "top_p": self.top_p,
-                "top_k": self.top_k, "seed": self.seed}
+        d: Dict[str, Any] = {"temperature": self.temperature, "top_p": self.top_p,
+                             "top_k": self.top_k, "seed": self.seed}
+        # only non-defaults travel, so PeerReqs of plain requests stay as before
+        if self.repetition_penalty != 1.0:
+            d["repetition_penalty"] = self.repetition_penalty
+        if self.presence_penalty:
+            d["presence_penalty"] = self.presence_penalty
+        if self.frequency_penalty:
+            d["frequency_penalty"] = self.frequency_penalty
+        if self.min_tokens:
+            d["min_tokens"] = self.min_tokens
+        if self.logprobs is not None:
+            d["logprobs"] = True
+        return d
 
 
 _KEYS = set(SamplingParams.__dataclass_fields__)
+#: keys of the sampler dict a model accepts in a PeerReq (see SamplingParams.sampler_dict)
+SAMPLER_KEYS = frozenset({"temperature", "top_p", "top_k", "seed", "repetition_penalty", "presence_penalty",
+                          "frequency_penalty", "min_tokens", "logprobs"})
 #: torch.Generator seeds are 64-bit signed
 MAX_SEED = 2**63 - 1
 #: temperatures below this are greedy, as in vLLM (logits / t would overflow float32)
 SAMPLING_EPS = 1e-5
 
 
-def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16) -> SamplingParams:
-    """Parse and validate a ``sampling_parameters`` JSON string.
+def _to_number(key: str, v: Any, kind) -> Union[int, float]:
+    """A JSON number or a numeric string (vllm_backend sends ``"32"``) as ``kind``; ValueError naming key."""
+    what = "an integer" if kind is int else "a number"
+    if isinstance(v, str):
+        s = v.strip()
+        try:
+            v = int(s) if kind is int and s.lstrip("+-").isdigit() else float(s)
+        except ValueError:
+            raise ValueError(f"sampling_parameters.{key} must be {what}, got {v!r}") from None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"sampling_parameters.{key} must be {what}, got {v!r}")
+    if not math.isfinite(v):
+        raise ValueError(f"sampling_parameters.{key} must be a finite number, got {v!r}")
+    if kind is int and not float(v).is_integer():
+        raise ValueError(f"sampling_parameters.{key} must be {what}, got {v!r}")
+    return kind(v)
 
-    Args:
-        text: JSON object string, or None/empty for defaults.
-        default_max_tokens: ``max_tokens`` when not given.
 
-    Raises:
-        ValueError: not JSON, not an object, unknown keys, or a value of the
-            wrong type, not finite (NaN, ±Infinity) or out of range (the message
-            names the key).
-    """
-    p = SamplingParams(max_tokens=default_max_tokens)
-    if text is None or not text.strip():
-        return p
+def _to_bool(key: str, v: Any) -> bool:
+    """true/false, or the strings "true"/"false" (any case) as vllm_backend accepts them."""
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+        return v.strip().lower() == "true"
+    raise ValueError(f"sampling_parameters.{key} must be true or false, got {v!r}")
+
+
+def _load(src: Union[None, str, Dict[str, Any]]) -> Dict[str, Any]:
+    if src is None:
+        return {}
+    if isinstance(src, dict):
+        return dict(src)
+    if not src.strip():
+        return {}
     try:
-        d = json.loads(text)
+        d = json.loads(src)
     except json.JSONDecodeError as e:
         raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
     if not isinstance(d, dict):
         raise ValueError("sampling_parameters must be a JSON object")
+    return d
+
+
+def parse_sampling_parameters(text: Union[None, str, Dict[str, Any]],
+                              default_max_tokens: int = 16) -> SamplingParams:
+    """Parse and validate sampling parameters (vllm_backend's value forms).
+
+    Args:
+        text: JSON object string, an already-parsed dict (request parameters),
+            or None/empty for defaults.  Numbers may be numeric strings,
+            booleans "true"/"false"; a ``null`` value means the default.
+        default_max_tokens: ``max_tokens`` when not given.
+
+    Raises:
+        ValueError: not JSON, not an object, unknown keys, or a value that
+            cannot be converted (``"ten"``), is not finite (NaN, ±Infinity) or
+            is out of range (the message names the key).
+    """
+    p = SamplingParams(max_tokens=default_max_tokens)
+    d = _load(text)
     unknown = set(d) - _KEYS
     if unknown:
         raise ValueError(f"unknown keys in sampling_parameters: {sorted(unknown)}; "
                          f"allowed: {sorted(_KEYS)}")
+    d = {k: v for k, v in d.items() if v is not None}  # null = the default (vllm_backend drops them)
 
     def num(key, kind, lo=None, hi=None, lo_open=False):
-        v = d[key]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not float(v).is_integer()):
-            raise ValueError(f"sampling_parameters.{key} must be {'an integer' if kind is int else 'a number'}, got {v!r}")
-        if not math.isfinite(v):
-            raise ValueError(f"sampling_parameters.{key} must be a finite number, got {v!r}")
-        v = kind(v)
+        v = _to_number(key, d[key], kind)
         if lo is not None and (v <= lo if lo_open else v < lo):
             raise ValueError(f"sampling_parameters.{key} must be {'>' if lo_open else '>='} {lo}, got {v}")
         if hi is not None and v > hi:
@@ -105,37 +188,109 @@ def parse_sampling_parameters(text: Optional[str], default_max_tokens: int = 16)
         p.top_p = num("top_p", float, 0.0, 1.0, lo_open=True)
     if "top_k" in d:
         p.top_k = num("top_k", int, -1)
-    if "seed" in d and d["seed"] is not None:
+    if "seed" in d:
         p.seed = num("seed", int, 0, MAX_SEED)
-    if "routing_threshold" in d and d["routing_threshold"] is not None:
+    if "routing_threshold" in d:
         p.routing_threshold = num("routing_threshold", float)
-    if "ignore_eos" in d:
-        if not isinstance(d["ignore_eos"], bool):
-            raise ValueError("sampling_parameters.ignore_eos must be true or false")
-        p.ignore_eos = d["ignore_eos"]
-    if "stop" in d and d["stop"] is not None:
+    if "repetition_penalty" in d:
+        p.repetition_penalty = num("repetition_penalty", float, 0.0, lo_open=True)
+    if "presence_penalty" in d:
+        p.presence_penalty = num("presence_penalty", float, -2.0, 2.0)
+    if "frequency_penalty" in d:
+        p.frequency_penalty = num("frequency_penalty", float, -2.0, 2.0)
+    if "min_tokens" in d:
+        p.min_tokens = num("min_tokens", int, 0)
+        if p.min_tokens > p.max_tokens:
+            raise ValueError(f"sampling_parameters.min_tokens ({p.min_tokens}) must be <= max_tokens "
+                             f"({p.max_tokens})")
+    for key in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+        if key in d:
+            setattr(p, key, _to_bool(key, d[key]))
+    if "logprobs" in d:
+        v = d["logprobs"]
+        if isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")):
+            p.logprobs = 0 if _to_bool("logprobs", v) else None
+        else:
+            n = num("logprobs", int, 0)
+            if n > 0:
+                raise ValueError(f"sampling_parameters.logprobs: only 0 is supported (the sampled token's "
+                                 f"logprob); top-{n} alternatives are not returned")
+            p.logprobs = n
+    if "stop" in d:
         s = d["stop"]
         if isinstance(s, str):
             s = [s]
         if not isinstance(s, list) or not all(isinstance(x, str) and x for x in s):
             raise ValueError("sampling_parameters.stop must be a non-empty string or a list of them")
         p.stop = s
+    if "stop_token_ids" in d:
+        s = d["stop_token_ids"]
+        if not isinstance(s, list):
+            raise ValueError(f"sampling_parameters.stop_token_ids must be a list of token ids, got {s!r}")
+        p.stop_token_ids = [num_item for num_item in
+                            (_to_number("stop_token_ids", x, int) for x in s)]
+        if any(t < 0 for t in p.stop_token_ids):
+            raise ValueError("sampling_parameters.stop_token_ids must be non-negative token ids")
     return p
 
 
 def validate_sampling(sampling: Dict[str, Any]) -> None:
-    """Check a PeerReq's sampler dict (temperature, top_p, top_k, seed) as a model receives it.
+    """Check a PeerReq's sampler dict (see :meth:`SamplingParams.sampler_dict`) as a model receives it.
 
     Raises:
-        ValueError: a value of the wrong type or out of range (the router checks
-            client input earlier; this guards the models' own endpoints).
+        ValueError: an unknown key, or a value of the wrong type or out of range
+            (the router checks client input earlier; this guards the models' own endpoints).
     """
     if not isinstance(sampling, dict):
         raise ValueError("sampling must be a JSON object")
-    unknown = set(sampling) - {"temperature", "top_p", "top_k", "seed"}
+    unknown = set(sampling) - SAMPLER_KEYS
     if unknown:
         raise ValueError(f"unknown sampling keys {sorted(unknown)}")
-    parse_sampling_parameters(json.dumps({k: v for k, v in sampling.items() if v is not None}))
+    d = {k: v for k, v in sampling.items() if v is not None and k not in ("min_tokens", "logprobs")}
+    parse_sampling_parameters(d)
+    if "min_tokens" in sampling:
+        _to_number("min_tokens", sampling["min_tokens"], int)
+    if "logprobs" in sampling and not isinstance(sampling["logprobs"], bool):
+        raise ValueError("sampling.logprobs must be true or false")
+
+
+def apply_penalties(row: torch.Tensor, p: Dict[str, Any], context: Optional[Tuple[Sequence[int], int]]
+                    ) -> torch.Tensor:
+    """Apply repetition / presence / frequency penalties to one row of logits.
+
+    Args:
+        row: float32 logits ``[V]`` (not modified).
+        p: the request's sampler dict (``repetition_penalty``, ``presence_penalty``,
+            ``frequency_penalty``; absent = off).
+        context: ``(token_ids, n_output)``: the request's tokens so far (prompt +
+            output, all models together) and how many of the last ones are output.
+
+    Returns:
+        float32 ``[V]``: the penalised logits (``row`` itself when no penalty applies).
+
+    Formulas as in vLLM's sampler: repetition (CTRL, Keskar et al. 2019) on
+    prompt and output tokens, logit / r if > 0 else logit * r; presence and
+    frequency (OpenAI API) on output tokens, logit -= presence * [count > 0] +
+    frequency * count.
+    """
+    rep = float(p.get("repetition_penalty", 1.0) or 1.0)
+    pres = float(p.get("presence_penalty", 0.0) or 0.0)
+    freq = float(p.get("frequency_penalty", 0.0) or 0.0)
+    if context is None or (rep == 1.0 and not pres and not freq):
+        return row
+    tokens, n_out = context
+    vocab = row.shape[-1]
+    row = row.clone()
+    if rep != 1.0 and len(tokens):
+        seen = torch.as_tensor(list(set(int(t) for t in tokens if 0 <= int(t) < vocab)), dtype=torch.long)
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / rep, vals * rep)
+    if (pres or freq) and n_out > 0:
+        out = torch.as_tensor([int(t) for t in tokens[len(tokens) - n_out:] if 0 <= int(t) < vocab],
+                              dtype=torch.long)
+        counts = torch.bincount(out, minlength=vocab).to(row.dtype)
+        row -= freq * counts + pres * (counts > 0).to(row.dtype)
+    return row
 
 
 def normalized_entropy(logp: torch.Tensor) -> torch.Tensor:
@@ -180,16 +335,23 @@ class BatchSampler:
         self._gens.pop(rid, None)
 
     def sample(self, logits: torch.Tensor, rids: Sequence[str],
-               params: Sequence[Dict[str, Any]], errors: Optional[Dict[int, str]] = None) -> torch.Tensor:
+               params: Sequence[Dict[str, Any]], errors: Optional[Dict[int, str]] = None,
+               contexts: Optional[Sequence[Optional[Tuple[Sequence[int], int, Sequence[int]]]]] = None
+               ) -> torch.Tensor:
         """Sample next tokens.
 
         Args:
             logits: float32 ``[B, V]``.
             rids: request ids, length B.
-            params: per-row dicts with temperature, top_p, top_k, seed.
+            params: per-row sampler dicts (:meth:`SamplingParams.sampler_dict`).
             errors: if given, a row whose sampling fails is recorded here
                 (row index → message) instead of failing the whole batch; its
                 token is then the argmax and must not be used.
+            contexts: per row ``(token_ids, n_output, stop_token_ids)`` or None:
+                the request's tokens so far (prompt + output of every model),
+                how many are output and the ids that end it; needed by the
+                penalties and ``min_tokens`` (rows without context skip them).
+                The same on every model, so routing never changes their meaning.
 
         Returns:
             int64 tensor ``[B]`` of token ids.
@@ -200,7 +362,7 @@ class BatchSampler:
         out = torch.argmax(logits, dim=-1)
         for i, p in enumerate(params):
             try:
-                tok = self._sample_row(logits[i], rids[i], p)
+                tok = self._sample_row(logits[i], rids[i], p, None if contexts is None else contexts[i])
             except (RuntimeError, ValueError) as e:
                 if errors is None:
                     raise
@@ -210,12 +372,22 @@ class BatchSampler:
                 out[i] = tok
         return out
 
-    def _sample_row(self, logits_row: torch.Tensor, rid: str, p: Dict[str, Any]) -> Optional[int]:
-        """One row's sampled token id, or None for greedy (the argmax)."""
+    def _sample_row(self, logits_row: torch.Tensor, rid: str, p: Dict[str, Any],
+                    context: Optional[Tuple[Sequence[int], int, Sequence[int]]] = None) -> Optional[int]:
+        """One row's sampled token id, or None for greedy on unmodified logits (the argmax)."""
+        row = logits_row
+        if context is not None:
+            tokens, n_out, stop_ids = context
+            row = apply_penalties(row, p, (tokens, n_out))
+            min_tokens = int(p.get("min_tokens") or 0)
+            if n_out < min_tokens and stop_ids:
+                row = row.clone() if row is logits_row else row
+                ids = torch.as_tensor([t for t in stop_ids if 0 <= t < row.shape[-1]], dtype=torch.long)
+                row[ids] = float("-inf")
         t = float(p.get("temperature", 1.0))
         if t < SAMPLING_EPS:  # greedy (vLLM's convention); 1/t would overflow the softmax
-            return None
-        row = logits_row.float() / t
+            return None if row is logits_row else int(torch.argmax(row))
+        row = row.float() / t
         k = int(p.get("top_k") or 0)
         if 0 < k < row.shape[-1]:
             kth = torch.topk(row, k).values[-1]

@@ -84,6 +84,9 @@ class LocalRequest:
         ready_since: time it became ready (for the delayed-batching bound).
         unflushed: committed tokens not yet streamed.
         prefilled: its prompt has been run (later extends are resumes).
+        unflushed_logprobs: log-probabilities of ``unflushed`` (when the request asks for them).
+        first_step_t: ``time.monotonic()`` at the start of the request's first
+            step (its queue time ends there), until reported to the router.
     """
 
     rid: str
@@ -96,6 +99,8 @@ class LocalRequest:
     ready_since: float = 0.0
     unflushed: List[int] = field(default_factory=list)
     prefilled: bool = False
+    unflushed_logprobs: List[float] = field(default_factory=list)
+    first_step_t: Optional[float] = None
 
 
 class Subserver:
@@ -426,7 +431,7 @@ class Subserver:
         self.ready.pop(lr.rid, None)
         toks, lr.unflushed = lr.unflushed, []
         if sink is not None:
-            info = {**info, "scores": lr.algo.take_scores()}
+            info = {**info, "scores": lr.algo.take_scores(), **self._token_info(lr)}
             try:
                 sink(kind, toks, info)
             except Exception:  # noqa: BLE001
@@ -457,6 +462,27 @@ class Subserver:
                 self._end_segment(lr, "error", {"message": message})
             self._release(rid, "error", message)
 
+    # ------------------------------------------------------ per-token extras
+    @staticmethod
+    def _sampling_context(lr: LocalRequest):
+        """``(tokens, n_output, stop_ids)`` for the sampler's penalties and min_tokens, or None."""
+        sp = lr.header.sampling
+        if not any(k in sp for k in ("repetition_penalty", "presence_penalty", "frequency_penalty",
+                                     "min_tokens")):
+            return None
+        return lr.seq.tokens, lr.header.num_generated, lr.header.stop_token_ids
+
+    @staticmethod
+    def _token_info(lr: LocalRequest) -> Dict[str, Any]:
+        """Extras of a sink call: ``logprobs`` of the tokens it carries (when asked for) and,
+        once, ``first_step_t`` (monotonic clock, shared by the processes of one host)."""
+        info: Dict[str, Any] = {}
+        if lr.header.sampling.get("logprobs"):
+            info["logprobs"], lr.unflushed_logprobs = lr.unflushed_logprobs, []
+        if lr.first_step_t is not None:
+            info["first_step_t"], lr.first_step_t = lr.first_step_t, None
+        return info
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def _step(self) -> None:
@@ -464,6 +490,10 @@ class Subserver:
         seqs = [lr.seq for lr in batch]
         has_prefill = any(not lr.prefilled for lr in batch)
         t0 = time.perf_counter()
+        t_mono = time.monotonic()
+        for lr in batch:
+            if not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0:
+                lr.first_step_t = t_mono
         try:
             out = self.engine.forward(seqs)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
@@ -490,8 +520,10 @@ class Subserver:
         ent = normalized_entropy(logp).tolist()
         row_errors: Dict[int, str] = {}
         toks_t = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch],
-                                     errors=row_errors)
-        probs = logp.gather(1, toks_t.view(-1, 1)).exp().view(-1).tolist()
+                                     errors=row_errors, contexts=[self._sampling_context(lr) for lr in batch])
+        tok_logp = logp.gather(1, toks_t.view(-1, 1)).view(-1)
+        probs = tok_logp.exp().tolist()
+        tok_logp = tok_logp.tolist()
         toks = toks_t.tolist()
         self.counters["steps"] += 1
         self.counters["extend_tokens"] += out.extend_tokens
@@ -518,6 +550,8 @@ class Subserver:
             if commit:
                 lr.seq.tokens.append(toks[i])
                 lr.unflushed.append(toks[i])
+                if hdr.sampling.get("logprobs"):
+                    lr.unflushed_logprobs.append(tok_logp[i])
                 hdr.num_generated += 1
                 committed_total += 1
                 if toks[i] in hdr.stop_token_ids:
@@ -545,7 +579,7 @@ class Subserver:
                 toks_out, lr.unflushed = lr.unflushed, []
                 ts = time.perf_counter()
                 try:
-                    lr.sink("tokens", toks_out, {"scores": lr.algo.take_scores()})
+                    lr.sink("tokens", toks_out, {"scores": lr.algo.take_scores(), **self._token_info(lr)})
                 except Exception:  # noqa: BLE001
                     logger.exception("sink of %s failed", lr.rid)
                 send_s += time.perf_counter() - ts

@@ -12,16 +12,30 @@ Inputs
     ``text_input`` BYTES [1]              prompt (UTF-8)
     ``stream`` BOOL [1]                   stream text deltas (default false)
     ``sampling_parameters`` BYTES [1]     JSON: max_tokens, temperature, top_p, top_k,
-                                          seed, stop, ignore_eos, routing_threshold
+                                          seed, stop, ignore_eos, routing_threshold,
+                                          repetition_penalty, presence_penalty,
+                                          frequency_penalty, min_tokens, stop_token_ids,
+                                          include_stop_str_in_output, skip_special_tokens,
+                                          logprobs (vllm_backend value forms: "32",
+                                          "true", null = default; see tokenrouter.sampling).
+                                          Absent: the request's parameters are read instead
+                                          (HTTP generate "parameters", gRPC parameters).
     ``exclude_input_in_output`` BOOL [1]  non-streaming only: omit the prompt (default false)
     ``apply_chat_template`` BOOL [1]      wrap the prompt as a user turn (default false)
     ``return_routing_trace`` BOOL [1]     add the per-token model trace (default false)
+    ``return_finish_reason``, ``return_num_input_tokens``, ``return_num_output_tokens``
+                     BOOL [1]             vllm_backend's output switches; default true here
+                                          (these outputs were always sent), false omits them
+    ``return_logprobs`` BOOL [1]          add ``logprobs`` (default false)
 
 Outputs
     ``text_output`` BYTES, ``finish_reason`` BYTES, ``num_input_tokens`` INT32,
     ``num_output_tokens`` INT32, ``routing_summary`` BYTES (JSON:
     tokens_by_model, handoffs, handoffs_by_pair, algorithm, params and
     handoff_gap_s: seconds from each handoff to the peer's first response),
+    ``logprobs`` BYTES (JSON list, one float per output token: its logprob
+    under the model that wrote it; on the final response, streaming too) when
+    asked (``return_logprobs`` or the ``logprobs`` sampling key),
     ``routing_trace``
     BYTES (JSON: models, per-output-token model index ``trace``, output
     ``token_ids``, per-output-token router ``scores`` -- the score the writing
@@ -38,6 +52,10 @@ the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 
 Models are reached over the ZeroMQ channel of :mod:`tokenrouter.peer_channel`;
 each model's endpoint is asked once with a BLS call (op ``endpoint``).
+
+LLM-serving metrics (TTFT, time per output token, end-to-end, queue and
+handoff latency histograms; token, request and handoff counters; running and
+waiting gauges) go to Triton's metrics endpoint: see :mod:`tokenrouter.metrics`.
 
 Threads (paper §Design, three decoupled loops): ``execute`` parses and queues;
 one worker per request runs the inter-model loop (:func:`router_core.drive`);
@@ -63,6 +81,7 @@ import triton_python_backend_utils as pb_utils
 
 from .algorithms import get_algorithm
 from .detok import IncrementalDetokenizer
+from .metrics import RouterMetrics, observe_request
 from .peer_channel import PeerClient
 from .protocol import FinishReason
 from .router_core import drive, encode_prompt, make_header, stop_token_ids
@@ -115,6 +134,48 @@ class _Job:
     want_trace: bool
     params: Dict[str, Any]
     cancelled: bool = False
+    arrival_t: float = 0.0
+    worker_start_t: Optional[float] = None
+    outputs: Dict[str, bool] = None  # vllm_backend's return_* switches
+
+
+#: vllm_backend's opt-in output switches: input name → (output name, default here)
+OUTPUT_SWITCHES = {"return_finish_reason": ("finish_reason", True),
+                   "return_num_input_tokens": ("num_input_tokens", True),
+                   "return_num_output_tokens": ("num_output_tokens", True),
+                   "return_logprobs": ("logprobs", False)}
+
+
+#: request parameters Triton itself defines (KServe / Triton protocol), never sampling keys
+_TRITON_RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority",
+                                         "timeout", "binary_data_output", "binary_data_size", "headers"})
+
+
+def _request_parameters(request) -> Optional[Dict[str, Any]]:
+    """The request's parameters (HTTP generate ``"parameters"``, gRPC parameters) as a dict, or None.
+
+    Read as sampling parameters when the ``sampling_parameters`` input is absent,
+    as vllm_backend does.
+
+    Raises:
+        ClientError: the parameters are not a JSON object.
+    """
+    try:
+        raw = request.parameters()
+    except Exception:  # noqa: BLE001 - a stub without request parameters
+        return None
+    if not raw:
+        return None
+    try:
+        d = json.loads(raw) if isinstance(raw, (str, bytes)) else dict(raw)
+    except (ValueError, TypeError) as e:
+        raise ClientError(f"request parameters are not a JSON object: {e}") from None
+    if not isinstance(d, dict):
+        raise ClientError("request parameters must be a JSON object")
+    # Triton's own request parameters (set by clients and frontends, e.g. tritonclient's
+    # enable_empty_final_response) are not sampling parameters
+    d = {k: v for k, v in d.items() if not k.startswith("triton_") and k not in _TRITON_RESERVED_PARAMETERS}
+    return d or None
 
 
 #: seconds between two cancellation sweeps of the client I/O loop (each check
@@ -152,8 +213,42 @@ class TritonPythonModel:
         self._out: "queue.Queue[tuple]" = queue.Queue()
         self._active: Dict[str, _Job] = {}
         self._active_lock = threading.Lock()
+        self._running = 0  # jobs a worker is driving (the rest of _active wait for one)
+        self.metrics = self._init_metrics(args)
         self._io = threading.Thread(target=self._client_io, name="router-client-io", daemon=True)
         self._io.start()
+
+    # --------------------------------------------------------------- metrics
+    def _init_metrics(self, args: Dict[str, Any]) -> Optional[RouterMetrics]:
+        """The router's metric families (None, logged, where the server offers no metrics)."""
+        try:
+            return RouterMetrics(pb_utils, args.get("model_name", "token_router"),
+                                 str(args.get("model_version", "1")), self.models)
+        except Exception:  # noqa: BLE001 - metrics must never stop serving
+            logger.warning("router: metrics unavailable", exc_info=True)
+            return None
+
+    def _io_metrics(self, payload) -> None:
+        """Record one request's metrics (client I/O thread only: every update is an IPC)."""
+        if self.metrics is None:
+            return
+        try:
+            if isinstance(payload, str):
+                self.metrics.record_failure(payload)
+            else:
+                self.metrics.record(payload)
+        except Exception:  # noqa: BLE001
+            logger.debug("router: metrics update failed", exc_info=True)
+
+    def _io_load_gauges(self) -> None:
+        if self.metrics is None:
+            return
+        with self._active_lock:
+            total, running = len(self._active), self._running
+        try:
+            self.metrics.set_load(running, max(0, total - running))
+        except Exception:  # noqa: BLE001
+            logger.debug("router: metrics update failed", exc_info=True)
 
     # ------------------------------------------------------------ validation
     def _parse(self, request) -> _Job:
@@ -168,7 +263,8 @@ class TritonPythonModel:
             raise ClientError("text_input is empty")
         sp_raw = _bytes_input(request, "sampling_parameters")
         try:
-            sp = parse_sampling_parameters(sp_raw.decode("utf-8") if sp_raw else None, self.default_max_tokens)
+            src = sp_raw.decode("utf-8") if sp_raw is not None else _request_parameters(request)
+            sp = parse_sampling_parameters(src, self.default_max_tokens)
         except UnicodeDecodeError:
             raise ClientError("sampling_parameters is not valid UTF-8") from None
         except ValueError as e:
@@ -188,14 +284,19 @@ class TritonPythonModel:
         if len(ids) + sp.max_tokens > self.context_length:
             raise ClientError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds the "
                               f"context length {self.context_length}")
+        outputs = {out: _bool_input(request, name, dflt) for name, (out, dflt) in OUTPUT_SWITCHES.items()}
+        if outputs["logprobs"] and sp.logprobs is None:
+            sp.logprobs = 0  # return_logprobs alone: the sampled token's logprob
         return _Job(rid=uuid.uuid4().hex, sender=request.get_response_sender(), request=request,
                     prompt=prompt, prompt_ids=ids, sp=sp,
                     stream=_bool_input(request, "stream", False),
                     exclude_input=_bool_input(request, "exclude_input_in_output", False),
-                    want_trace=_bool_input(request, "return_routing_trace", False), params=params)
+                    want_trace=_bool_input(request, "return_routing_trace", False), params=params,
+                    outputs=outputs)
 
     def execute(self, requests: List[Any]) -> None:
         for request in requests:
+            arrival = time.monotonic()
             try:
                 job = self._parse(request)
             except ClientError as e:
@@ -205,6 +306,7 @@ class TritonPythonModel:
                 logger.exception("router: bad request")
                 self._out.put((request.get_response_sender(), "error", f"invalid request: {e}"))
                 continue
+            job.arrival_t = arrival
             with self._active_lock:
                 self._active[job.rid] = job
             self.pool.submit(self._run_guarded, job)
@@ -260,6 +362,8 @@ class TritonPythonModel:
                 except Exception as e:  # noqa: BLE001
                     box["error"] = str(e)
                 done.set()
+            elif kind == "metrics":
+                self._io_metrics(payload)
             elif sender is not None:
                 try:
                     if kind == "chunk":
@@ -276,6 +380,7 @@ class TritonPythonModel:
                 next_sweep = now + CANCEL_CHECK_INTERVAL_S
                 with self._active_lock:
                     jobs = list(self._active.values())
+                self._io_load_gauges()
                 for job in jobs:
                     if not job.cancelled:
                         try:
@@ -288,23 +393,31 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- request
     def _run_guarded(self, job: _Job) -> None:
+        job.worker_start_t = time.monotonic()
+        with self._active_lock:
+            self._running += 1
         try:
             self._run(job)
         except Exception as e:  # noqa: BLE001 - error to this client only
             logger.exception("router: request %s failed", job.rid)
+            self._out.put((None, "metrics", "error"))
             self._send(job, "error", str(e))
         finally:
             with self._active_lock:
                 self._active.pop(job.rid, None)
+                self._running -= 1
 
     def _run(self, job: _Job) -> None:
-        detok = IncrementalDetokenizer(self.tokenizer, job.sp.stop)
+        detok = IncrementalDetokenizer(self.tokenizer, job.sp.stop,
+                                       include_stop_str=job.sp.include_stop_str_in_output,
+                                       skip_special_tokens=job.sp.skip_special_tokens)
         header = make_header(job.rid, job.sp, self.algorithm, job.params, self.models, self.stop_token_ids)
         first = self.algo_cls.first_model(job.params, rid=job.rid, sampling=header.sampling)
         r = drive(self.peers, header, job.prompt_ids, first, detok,
                   on_delta=(lambda d: self._send(job, "chunk", d)) if job.stream else None,
                   cancelled=lambda: job.cancelled)
         if r.finish == FinishReason.CANCELLED.value:
+            self._out.put((None, "metrics", "cancelled"))
             self._send(job, "error", "request cancelled")
             return
         tail = detok.flush()
@@ -325,11 +438,24 @@ class TritonPythonModel:
             "num_output_tokens": np.asarray([len(r.output_ids)], dtype=np.int32),
             "routing_summary": np.asarray([json.dumps(summary).encode()], dtype=np.object_),
         }
+        self._apply_output_switches(job, r, outputs)
         if job.want_trace:
             tr = json.dumps({"models": self.models, "trace": r.trace, "token_ids": r.output_ids,
                              "scores": r.scores, "handoffs": r.handoff_log})
             outputs["routing_trace"] = np.asarray([tr.encode()], dtype=np.object_)
+        # metrics first: a client that has its answer finds them published
+        self._out.put((None, "metrics", observe_request(job.arrival_t, time.monotonic(), r, self.models,
+                                                         job.worker_start_t)))
         self._send(job, "final", outputs)
+
+    @staticmethod
+    def _apply_output_switches(job: _Job, r, outputs: Dict[str, Any]) -> None:
+        """vllm_backend's return_* inputs: drop switched-off outputs, add ``logprobs`` when asked."""
+        for name, on in job.outputs.items():
+            if name != "logprobs" and not on:
+                outputs.pop(name, None)
+        if job.outputs.get("logprobs") or job.sp.logprobs is not None:
+            outputs["logprobs"] = np.asarray([json.dumps(r.logprobs).encode()], dtype=np.object_)
 
     @staticmethod
     def _chunk(text: str):
@@ -341,3 +467,7 @@ class TritonPythonModel:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self.peers.close()
         self._io.join(timeout=2)
+        # free the metric families while the stub's shared memory is alive (as triton_llm does)
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None

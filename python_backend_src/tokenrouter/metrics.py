@@ -1,0 +1,225 @@
+"""LLM-serving metrics of ``token_router`` on Triton's metrics endpoint.
+
+Named as Triton's vllm_backend names its own (``vllm:…``), with the prefix
+``tokenrouter:``; every series has the labels ``model`` and ``version`` of the
+router model (as vllm_backend's), so several router models can share a server.
+
+Histograms (seconds; one observation per request unless said otherwise)
+    ``tokenrouter:time_to_first_token_seconds``  arrival at the router → first output token back from a model
+    ``tokenrouter:time_per_output_token_seconds`` (last token − first token) / (output tokens − 1),
+                                                   requests with 2 or more output tokens
+    ``tokenrouter:e2e_request_latency_seconds``   arrival → final response queued
+    ``tokenrouter:request_queue_time_seconds``    arrival → start of the request's first forward step
+                                                   on its first model (router queue + model admission
+                                                   + delayed-batching wait)
+    ``tokenrouter:handoff_latency_seconds``       one per handoff: handoff event → the peer's first
+                                                   response (labels ``from``, ``to``)
+Counters
+    ``tokenrouter:prompt_tokens_total``
+    ``tokenrouter:generation_tokens_total``       label ``writer`` = the model that wrote the tokens
+    ``tokenrouter:request_success_total``         label ``finished_reason`` (``stop``, ``length``)
+    ``tokenrouter:request_failure_total``         label ``reason`` (``cancelled``, ``error``)
+    ``tokenrouter:handoffs_total``                labels ``from``, ``to``
+Gauges
+    ``tokenrouter:num_requests_running``          requests being driven through the models
+    ``tokenrouter:num_requests_waiting``          accepted, waiting for a router worker
+
+The per-model KV gauges (``tokenrouter_kv_tokens_in_use`` …) are published by
+the model subservers (:mod:`tokenrouter.triton_llm`).
+
+Every call into ``pb_utils`` is an IPC to the server, so :class:`RouterMetrics`
+is used from one thread only (the router's client I/O thread); request threads
+hand it :class:`RequestObservation` records.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+__all__ = ["RouterMetrics", "RequestObservation", "observe_request", "METRIC_NAMES",
+           "TTFT_BUCKETS", "TPOT_BUCKETS", "E2E_BUCKETS", "HANDOFF_BUCKETS"]
+
+PREFIX = "tokenrouter:"
+#: vllm_backend's buckets (vLLM's ``Metrics``), seconds
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0]
+#: handoffs are IPC round trips plus the peer's extend step: finer at the low end
+HANDOFF_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0]
+
+#: short name → (kind, description, buckets or None)
+_FAMILIES: Dict[str, Tuple[str, str, Optional[List[float]]]] = {
+    "time_to_first_token_seconds": ("HISTOGRAM", "Time to first token (arrival to first output token)",
+                                    TTFT_BUCKETS),
+    "time_per_output_token_seconds": ("HISTOGRAM", "Mean time per output token after the first, per request",
+                                      TPOT_BUCKETS),
+    "e2e_request_latency_seconds": ("HISTOGRAM", "End-to-end request latency", E2E_BUCKETS),
+    "request_queue_time_seconds": ("HISTOGRAM", "Arrival to the start of the request's first forward step",
+                                   E2E_BUCKETS),
+    "handoff_latency_seconds": ("HISTOGRAM", "Handoff event to the peer model's first response",
+                                HANDOFF_BUCKETS),
+    "prompt_tokens_total": ("COUNTER", "Prompt tokens processed", None),
+    "generation_tokens_total": ("COUNTER", "Output tokens generated, by the model that wrote them", None),
+    "request_success_total": ("COUNTER", "Requests finished, by finish reason", None),
+    "request_failure_total": ("COUNTER", "Requests cancelled or failed", None),
+    "handoffs_total": ("COUNTER", "Handoffs between models, by pair", None),
+    "num_requests_running": ("GAUGE", "Requests being driven through the models", None),
+    "num_requests_waiting": ("GAUGE", "Requests waiting for a router worker", None),
+}
+#: full metric family names, as they appear on the metrics endpoint
+METRIC_NAMES = [PREFIX + k for k in _FAMILIES]
+
+
+@dataclass
+class RequestObservation:
+    """What one finished request contributes to the metrics (all times in seconds).
+
+    Attributes:
+        prompt_tokens: prompt length in tokens.
+        tokens_by_model: output tokens written by each model (model name → count).
+        finish: ``stop``, ``length``, ``cancelled`` or ``error``.
+        ttft_s: arrival → first output token, None without output.
+        tpot_s: mean time per output token after the first, None with < 2 tokens.
+        e2e_s: arrival → end.
+        queue_s: arrival → first forward step, None if unknown.
+        handoffs: ``(from, to, latency_s or None)`` per handoff.
+    """
+
+    prompt_tokens: int
+    tokens_by_model: Dict[str, int]
+    finish: str
+    e2e_s: float
+    ttft_s: Optional[float] = None
+    tpot_s: Optional[float] = None
+    queue_s: Optional[float] = None
+    handoffs: List[Tuple[str, str, Optional[float]]] = field(default_factory=list)
+
+
+def observe_request(arrival_t: float, end_t: float, routed, models: List[str],
+                    worker_start_t: Optional[float] = None) -> RequestObservation:
+    """Build a :class:`RequestObservation` from a :class:`~tokenrouter.router_core.RoutedRequest`.
+
+    Args:
+        arrival_t: ``time.monotonic()`` when ``execute`` received the request.
+        end_t: ``time.monotonic()`` when the final response was queued.
+        routed: the request's ``RoutedRequest`` (its ``first_step_t``,
+            ``first_token_t``, ``last_token_t`` are on the same monotonic clock;
+            the models run on the same host, where CLOCK_MONOTONIC is shared).
+        models: the deployment's model names (indices of ``handoff_log``).
+        worker_start_t: when a router worker started the request; the queue
+            time falls back to it when the first model reported no step start.
+    """
+    r = routed
+    n_out = len(r.output_ids)
+    ttft = None if r.first_token_t is None else max(0.0, r.first_token_t - arrival_t)
+    tpot = None
+    if n_out >= 2 and r.first_token_t is not None and r.last_token_t is not None:
+        tpot = max(0.0, r.last_token_t - r.first_token_t) / (n_out - 1)
+    start = r.first_step_t if r.first_step_t is not None else worker_start_t
+    queue = None if start is None else max(0.0, start - arrival_t)
+    gaps = list(r.handoff_gaps_s)
+    hand = []
+    for i, h in enumerate(r.handoff_log):
+        hand.append((models[h["from"]], models[h["to"]], gaps[i] if i < len(gaps) else None))
+    return RequestObservation(prompt_tokens=r.n_prompt, tokens_by_model=dict(r.tokens_by_model),
+                              finish=r.finish or "error", e2e_s=max(0.0, end_t - arrival_t), ttft_s=ttft,
+                              tpot_s=tpot, queue_s=queue, handoffs=hand)
+
+
+class RouterMetrics:
+    """The router's metric families and series (use from one thread).
+
+    Args:
+        pb_utils: the ``triton_python_backend_utils`` module.
+        model: the router model's name (label ``model``); ``version``: its version.
+        models: the deployment's model names (series by writer and by pair are
+            created up front, so every series exists, at 0, from the start).
+
+    Raises:
+        Whatever ``pb_utils.MetricFamily`` raises (e.g. a server without metrics).
+    """
+
+    def __init__(self, pb_utils, model: str, version: str, models: List[str]):
+        self._families = {}
+        kinds = {"HISTOGRAM": pb_utils.MetricFamily.HISTOGRAM, "COUNTER": pb_utils.MetricFamily.COUNTER,
+                 "GAUGE": pb_utils.MetricFamily.GAUGE}
+        for short, (kind, desc, _) in _FAMILIES.items():
+            self._families[short] = pb_utils.MetricFamily(name=PREFIX + short, description=desc,
+                                                          kind=kinds[kind])
+        base = {"model": model, "version": str(version)}
+        self._base = base
+        self._series: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], Any] = {}
+        self._gauges = {"running": None, "waiting": None}
+        # create the fixed series now: dashboards see them (at 0) before any request
+        for short in ("time_to_first_token_seconds", "time_per_output_token_seconds",
+                      "e2e_request_latency_seconds", "request_queue_time_seconds", "prompt_tokens_total",
+                      "num_requests_running", "num_requests_waiting"):
+            self._get(short)
+        for reason in ("stop", "length"):
+            self._get("request_success_total", finished_reason=reason)
+        for reason in ("cancelled", "error"):
+            self._get("request_failure_total", reason=reason)
+        for m in models:
+            self._get("generation_tokens_total", writer=m)
+        for a in models:
+            for b in models:
+                if a != b:
+                    self._get("handoffs_total", **{"from": a, "to": b})
+                    self._get("handoff_latency_seconds", **{"from": a, "to": b})
+
+    def _get(self, short: str, **labels: str):
+        """The series of family ``short`` with the base labels updated by ``labels`` (created once)."""
+        lab = {**self._base, **labels}
+        key = (short, tuple(sorted(lab.items())))
+        s = self._series.get(key)
+        if s is None:
+            buckets = _FAMILIES[short][2]
+            fam = self._families[short]
+            s = fam.Metric(labels=lab, buckets=buckets) if buckets is not None else fam.Metric(labels=lab)
+            self._series[key] = s
+        return s
+
+    def record(self, ob: RequestObservation) -> None:
+        """Add one finished request (see :class:`RequestObservation`)."""
+        self._get("prompt_tokens_total").increment(float(ob.prompt_tokens))
+        for m, n in ob.tokens_by_model.items():
+            if n:
+                self._get("generation_tokens_total", writer=m).increment(float(n))
+        if ob.finish in ("stop", "length"):
+            self._get("request_success_total", finished_reason=ob.finish).increment(1.0)
+        else:
+            self._get("request_failure_total", reason=ob.finish).increment(1.0)
+        self._get("e2e_request_latency_seconds").observe(ob.e2e_s)
+        if ob.ttft_s is not None:
+            self._get("time_to_first_token_seconds").observe(ob.ttft_s)
+        if ob.tpot_s is not None:
+            self._get("time_per_output_token_seconds").observe(ob.tpot_s)
+        if ob.queue_s is not None:
+            self._get("request_queue_time_seconds").observe(ob.queue_s)
+        for a, b, lat in ob.handoffs:
+            self._get("handoffs_total", **{"from": a, "to": b}).increment(1.0)
+            if lat is not None:
+                self._get("handoff_latency_seconds", **{"from": a, "to": b}).observe(lat)
+
+    def record_failure(self, reason: str) -> None:
+        """Count a request that ended without a result (``cancelled`` or ``error``)."""
+        self._get("request_failure_total", reason=reason).increment(1.0)
+
+    def set_load(self, running: int, waiting: int) -> None:
+        """Set the running / waiting gauges (only when they changed: each set is an IPC)."""
+        if self._gauges["running"] != running:
+            self._get("num_requests_running").set(float(running))
+            self._gauges["running"] = running
+        if self._gauges["waiting"] != waiting:
+            self._get("num_requests_waiting").set(float(waiting))
+            self._gauges["waiting"] = waiting
+
+    def close(self) -> None:
+        """Drop every series and family (call in ``finalize`` while the stub is alive)."""
+        self._series.clear()
+        self._families.clear()
