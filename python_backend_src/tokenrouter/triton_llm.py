@@ -48,7 +48,7 @@ import triton_python_backend_utils as pb_utils
 
 from .engine import EngineConfig, SGLangEngine
 from .lockstep import TurnRing, default_ring_path
-from .peer_channel import PeerServer
+from .peer_channel import PeerServer, process_start_time, remove_advert, write_advert
 from .protocol import PeerReq
 from .subserver import FINAL_KINDS, Subserver, SubserverConfig
 from .triton_common import llm_settings, model_parameters, param
@@ -114,6 +114,7 @@ class TritonPythonModel:
         self.peer_server = PeerServer(self.subserver, param(p, "peer_endpoint", "") or None,
                                       configure_fn=self._configure)
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
+        self._start_liveness()
         self._metrics_thread = threading.Thread(target=self._metrics_loop, name=f"metrics-{self.name}", daemon=True)
         self._metrics_thread.start()
 
@@ -212,7 +213,9 @@ class TritonPythonModel:
                 elif op == "stats":
                     sender.send(self._response([], {"kind": "stats", **self.subserver.stats()}), flags=_FINAL)
                 elif op == "endpoint":
-                    sender.send(self._response([], {"kind": "endpoint", "endpoint": self.peer_server.endpoint}),
+                    sender.send(self._response([], {"kind": "endpoint", "endpoint": self.peer_server.endpoint,
+                                                    "pid": os.getpid(),
+                                                    "start": process_start_time(os.getpid())}),
                                 flags=_FINAL)
                 elif op == "run":
                     ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
@@ -244,7 +247,33 @@ class TritonPythonModel:
             sender.send(self._response(tokens, {"kind": kind, **info}), flags=_FINAL if final else 0)
         return sink
 
+    # -------------------------------------------------------------- liveness
+    def _start_liveness(self) -> None:
+        """Advertise the endpoint and this process to the router (``peer_channel.write_advert``:
+        the router watches the process and finds a restarted model's new endpoint there) and
+        clean up if tritonserver goes away without finalising this stub (``stub_guard``)."""
+        from . import stub_guard
+
+        self._advert = write_advert(self.name, self.peer_server.endpoint)
+        stub_guard.install(self._cleanup_files)
+
+    def _cleanup_files(self) -> None:
+        """Remove what this model created outside its process: advert, ipc socket, turn files."""
+        remove_advert(self.name)
+        ep = self.peer_server.endpoint
+        if ep.startswith("ipc://"):
+            try:
+                os.unlink(ep[len("ipc://"):])
+            except OSError:
+                pass
+        for path in self._ring_paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
     def finalize(self) -> None:
+        remove_advert(self.name)
         self._closing.set()
         self._metrics_dirty.set()
         self.peer_server.close()
