@@ -221,7 +221,7 @@ def test_llm_killed_fallback_mode(server):
     if r["routing_summary"].get("degraded"):
         assert r["routing_summary"]["tokens_by_model"]["llm"] == 0, r
     text = requests.get(server.metrics_url, timeout=10).text
-    m = re.search(r'^tokenrouter_degraded_requests_total\{[^}]*\}\s+(\S+)$', text, re.M)
+    m = re.search(r'^tokenrouter_degraded_requests_total\{model="token_router_fallback"\}\s+(\S+)$', text, re.M)
     assert m and float(m.group(1)) >= 1, text[-2000:]
     _wait_llm_back(server, "token_router_fallback", t_kill)
     _kv_zero(server)

@@ -415,8 +415,9 @@ class _PeerFailure:
       it), or, where the server runs with ``--model-control-mode=explicit``, the
       model is loaded again; the restarted stub writes a fresh advert, the router
       checks it answers a ``ping`` and uses its new endpoint.
-    * Metrics: ``tokenrouter_peer_up`` (1/0, label ``model``),
-      ``tokenrouter_peer_restarts_total`` and ``tokenrouter_degraded_requests_total``.
+    * Metrics: ``tokenrouter_peer_up`` (1/0, labels ``model`` and ``router``),
+      ``tokenrouter_peer_restarts_total`` (same labels) and
+      ``tokenrouter_degraded_requests_total`` (label ``model``: the router).
 
     Args:
         router: the :class:`TritonPythonModel` (its client I/O queue and peers).
@@ -459,9 +460,10 @@ class _PeerFailure:
                                   kind=pb_utils.MetricFamily.COUNTER),
         ]
         up, restarts, degraded = self._families
-        self._up = {m: up.Metric(labels={"model": m}) for m in self.router.models}
-        self._restarts = {m: restarts.Metric(labels={"model": m}) for m in self.router.models}
-        self._degraded = degraded.Metric(labels={"model": "token_router"})
+        me = str(self.router.model_config.get("name", "token_router"))  # several routers may share a server
+        self._up = {m: up.Metric(labels={"model": m, "router": me}) for m in self.router.models}
+        self._restarts = {m: restarts.Metric(labels={"model": m, "router": me}) for m in self.router.models}
+        self._degraded = degraded.Metric(labels={"model": me})
         for m in self._up.values():
             m.set(1.0)
 
