@@ -103,28 +103,29 @@ def default_endpoint(role: str) -> str:
     return f"ipc://{tempfile.gettempdir()}/tokenrouter-{os.getpid()}-{safe}-{uuid.uuid4().hex[:8]}"
 
 
-def advert_path(model: str, server_pid: Optional[int] = None) -> str:
-    """Path of the file in which ``model`` advertises its endpoint to the router.
+def advert_path(model: str, server_pid: Optional[int] = None, kind: str = "peer") -> str:
+    """Path of the file in which ``model`` advertises its endpoint and process.
 
     One per model and tritonserver process (``server_pid``, default the parent
-    of this Triton stub), in the temporary directory.
+    of this Triton stub), in the temporary directory; ``kind`` is ``peer`` (an
+    LLM model, read by the router) or ``router`` (a router, watched by the models).
     """
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in model)[:80]
     pid = os.getppid() if server_pid is None else int(server_pid)
-    return os.path.join(tempfile.gettempdir(), f"tokenrouter-{pid}-{safe}.peer.json")
+    return os.path.join(tempfile.gettempdir(), f"tokenrouter-{pid}-{safe}.{kind}.json")
 
 
-def write_advert(model: str, endpoint: str) -> str:
+def write_advert(model: str, endpoint: str, kind: str = "peer") -> str:
     """Advertise ``endpoint`` and this process (pid, start time) for ``model``; returns the file's path.
 
     A previous advert of the same model whose process is gone (a killed stub
     that Triton restarted) is replaced, and its ``ipc://`` socket file removed.
     """
-    path = advert_path(model)
-    old = read_advert(model, alive_only=False)
+    path = advert_path(model, kind=kind)
+    old = read_advert(model, alive_only=False, kind=kind)
     if old and old.get("pid") != os.getpid() and not process_alive(old["pid"], old.get("start")):
         _unlink_ipc(str(old.get("endpoint", "")))
-    me = {"endpoint": endpoint, "pid": os.getpid(), "start": process_start_time(os.getpid())}
+    me = {"endpoint": endpoint, "pid": os.getpid(), "start": process_start_time(os.getpid()), "model": model}
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(me, f)
@@ -132,11 +133,12 @@ def write_advert(model: str, endpoint: str) -> str:
     return path
 
 
-def read_advert(model: str, server_pid: Optional[int] = None, alive_only: bool = True) -> Optional[Dict[str, Any]]:
-    """The advert of ``model`` (``{"endpoint", "pid", "start"}``), or None when there is
-    none or (``alive_only``) its process is gone."""
+def read_advert(model: str, server_pid: Optional[int] = None, alive_only: bool = True,
+                kind: str = "peer") -> Optional[Dict[str, Any]]:
+    """The advert of ``model`` (``{"endpoint", "pid", "start", "model"}``), or None when there
+    is none or (``alive_only``) its process is gone."""
     try:
-        with open(advert_path(model, server_pid), encoding="utf-8") as f:
+        with open(advert_path(model, server_pid, kind), encoding="utf-8") as f:
             adv = json.load(f)
         int(adv["pid"])
     except (OSError, ValueError, KeyError, TypeError):
@@ -146,14 +148,32 @@ def read_advert(model: str, server_pid: Optional[int] = None, alive_only: bool =
     return adv
 
 
-def remove_advert(model: str) -> None:
+def remove_advert(model: str, kind: str = "peer") -> None:
     """Remove this process's advert of ``model`` (at finalize); another process's is left alone."""
-    adv = read_advert(model, alive_only=False)
+    adv = read_advert(model, alive_only=False, kind=kind)
     if adv and adv.get("pid") == os.getpid():
         try:
-            os.unlink(advert_path(model))
+            os.unlink(advert_path(model, kind=kind))
         except OSError:
             pass
+
+
+def dead_routers(server_pid: Optional[int] = None) -> List[str]:
+    """Names of router models of this tritonserver whose advertised process is gone
+    (killed or crashed without being unloaded)."""
+    import glob
+
+    pid = os.getppid() if server_pid is None else int(server_pid)
+    out = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{pid}-*.router.json")):
+        try:
+            with open(path, encoding="utf-8") as f:
+                adv = json.load(f)
+            if not process_alive(int(adv["pid"]), adv.get("start")):
+                out.append(str(adv["model"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
 
 
 def _tokens_frame(tokens) -> bytes:

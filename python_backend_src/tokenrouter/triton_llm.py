@@ -48,7 +48,7 @@ import triton_python_backend_utils as pb_utils
 
 from .engine import EngineConfig, SGLangEngine
 from .lockstep import TurnRing, default_ring_path
-from .peer_channel import PeerServer, process_start_time, remove_advert, write_advert
+from .peer_channel import PeerServer, dead_routers, process_start_time, remove_advert, write_advert
 from .protocol import PeerReq
 from .subserver import FINAL_KINDS, Subserver, SubserverConfig
 from .triton_common import llm_settings, model_parameters, param
@@ -256,10 +256,48 @@ class TritonPythonModel:
 
         self._advert = write_advert(self.name, self.peer_server.endpoint)
         stub_guard.install(self._cleanup_files)
+        threading.Thread(target=self._router_guardian, name=f"router-guardian-{self.name}", daemon=True).start()
+
+    def _router_guardian(self, interval_s: float = 1.0) -> None:
+        """Reload a router whose stub died (its advert names a dead process).
+
+        The Triton 2.51 Python backend does not restart a dead stub of a decoupled
+        model; with ``--model-control-mode=explicit`` the router is unloaded and
+        loaded again through the model-control API.  One model does it: the one
+        that holds the advert's lock file.  Without explicit mode the API refuses
+        and the router stays down (logged once).
+        """
+        import fcntl
+
+        from .peer_channel import advert_path
+
+        refused = set()
+        while not self._closing.wait(interval_s):
+            for router in dead_routers():
+                if router in refused:
+                    continue
+                try:
+                    with open(advert_path(router, kind="router") + ".lock", "a") as lock:
+                        try:
+                            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        except OSError:
+                            continue  # another model is reloading it
+                        if router not in dead_routers():
+                            continue
+                        logger.error("router %s is down (its stub exited): reloading it", router)
+                        try:
+                            pb_utils.unload_model(router)
+                            pb_utils.load_model(model_name=router)
+                        except Exception as e:  # noqa: BLE001
+                            logger.error("reload of router %s failed: %s", router, e)
+                            refused.add(router)
+                except OSError:
+                    continue
 
     def _cleanup_files(self) -> None:
         """Remove what this model created outside its process: advert, ipc socket, turn files."""
         remove_advert(self.name)
+        self._remove_router_locks()
         ep = self.peer_server.endpoint
         if ep.startswith("ipc://"):
             try:
@@ -272,8 +310,21 @@ class TritonPythonModel:
             except OSError:
                 pass
 
+    @staticmethod
+    def _remove_router_locks() -> None:
+        """Remove the lock files of router reloads (re-created when needed)."""
+        import glob
+        import tempfile
+
+        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{os.getppid()}-*.router.json.lock")):
+            try:
+                os.unlink(lock)
+            except OSError:
+                pass
+
     def finalize(self) -> None:
         remove_advert(self.name)
+        self._remove_router_locks()
         self._closing.set()
         self._metrics_dirty.set()
         self.peer_server.close()

@@ -66,7 +66,7 @@ import triton_python_backend_utils as pb_utils
 
 from .algorithms import get_algorithm
 from .detok import IncrementalDetokenizer
-from .peer_channel import PeerClient, PeerDownError, read_advert
+from .peer_channel import PeerClient, PeerDownError, read_advert, remove_advert, write_advert
 from .protocol import FinishReason
 from .router_core import drive, encode_prompt, make_header, stop_token_ids
 from .sampling import SamplingParams, parse_sampling_parameters
@@ -164,7 +164,14 @@ class TritonPythonModel:
         self.failure.start()
         from . import stub_guard  # no orphan if tritonserver goes away without finalising this stub
 
-        stub_guard.install(self.peers.close)
+        self._name = str(self.model_config.get("name", "token_router"))
+        write_advert(self._name, self.peers.reply_endpoint, kind="router")  # the models restart a dead router
+        stub_guard.install(self._cleanup_files)
+
+    def _cleanup_files(self) -> None:
+        """(tritonserver gone) Remove this router's advert and ipc socket."""
+        remove_advert(self._name, kind="router")
+        self.peers.close()
 
     # ------------------------------------------------------------ validation
     def _parse(self, request) -> _Job:
@@ -381,6 +388,7 @@ class TritonPythonModel:
         (or at an explicit unload); the worker threads must not outlive it, or
         the stub process cannot exit.
         """
+        remove_advert(self._name, kind="router")  # unloaded on purpose: not to be restarted
         self._closing.set()
         self.failure.stop()
         self.peers.fail_all("server is shutting down")
