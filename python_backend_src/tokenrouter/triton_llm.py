@@ -22,7 +22,7 @@ Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
 Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
 ``kv_pool_tokens``, ``max_running_requests``, ``context_length``,
 ``torch_threads``, ``load_format``, ``random_seed``, ``delayed_batch_size``,
-``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``, ``peer_endpoint``
+``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``, ``peer_endpoint``, ``drain_timeout_s`` (an unload waits this long for the requests the model holds; default 30)
 (std-serving baseline), ``lockstep_group`` (lock-step baseline: comma-separated
 models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}``
 is replaced by the model name), ``capture_hidden`` (return the last hidden
@@ -97,6 +97,8 @@ class TritonPythonModel:
         self.engine_config = EngineConfig(**engine_kwargs)
         sched = SubserverConfig(**sched_kwargs)
         self._ring_paths: set = set()  # lock-step turn files this model opened (removed at finalize)
+        # seconds an unload waits for the requests this model holds (Triton's default exit_timeout)
+        self.drain_timeout_s = param(p, "drain_timeout_s", 30.0, float)
         group = param(p, "lockstep_group", "")
         if group:
             sched.lockstep = self._ring(group)
@@ -322,8 +324,19 @@ class TritonPythonModel:
             except OSError:
                 pass
 
+    def _drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` seconds) until this model holds no request.
+
+        Triton waits for a model's own in-flight requests before it unloads it, but
+        routed requests reach this model over ZeroMQ, not through Triton: without
+        this wait a SIGTERM would unload the models under the router's streams."""
+        deadline = time.monotonic() + timeout_s
+        while self.subserver.requests and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def finalize(self) -> None:
-        remove_advert(self.name)
+        remove_advert(self.name)  # unloaded on purpose: the router does not restart it
+        self._drain(self.drain_timeout_s)
         self._remove_router_locks()
         self._closing.set()
         self._metrics_dirty.set()

@@ -571,6 +571,8 @@ class _PeerFailure:
         with "Stub process ... is not healthy"; Python backends that restart an
         unhealthy stub on a request do so then).
         """
+        if read_advert(model, alive_only=False) is None:
+            return  # no advert: the model was unloaded on purpose (its finalize removed it), not restarted
         if self._explicit is not False:
             try:
                 if read_advert(model) is not None:
