@@ -12,6 +12,8 @@ Command line (prints JSON)::
 
 (``python -m scheduler_model calibrate`` does the same and writes the file its ``profile`` and
 ``solve`` take with ``--calibration``.)
+
+    python -m tokenrouter.admin ready                       # readiness probe covering every model
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["model_op", "model_stats", "configure", "calibrate", "main"]
+__all__ = ["model_op", "model_stats", "configure", "calibrate", "router_ready", "main"]
 
 
 def model_op(url: str, model: str, op: str, payload: Optional[Dict[str, Any]] = None,
@@ -83,21 +85,83 @@ def calibrate(url: str, model: str, batch_sizes=(1, 2, 4, 8), context: int = 256
     return model_op(url, model, "calibrate", {"batch_sizes": [int(b) for b in batch_sizes],
                                                "context": int(context), "decode_steps": int(decode_steps)},
                     timeout_s=timeout_s)
+def router_ready(url: str, router: str = "token_router", timeout_s: float = 30.0,
+                 allow_degraded: bool = False) -> Dict[str, Any]:
+    """Readiness of the whole routed path: one 1-token request through ``router``.
+
+    Triton's ``/v2/health/ready`` only says that every model is loaded; it stays
+    200 while a model's stub is dead.  This request is refused at once by a
+    router in ``on_peer_failure: fail`` mode while a model it needs is down, and
+    comes back ``degraded`` from one in ``fallback`` mode.
+
+    Args:
+        url: Triton gRPC address (host:port).
+        router: the router model.
+        timeout_s: seconds to wait for the answer.
+        allow_degraded: count a degraded answer (fallback mode, a model down) as ready.
+
+    Returns:
+        ``{"ready": bool, "reason": str, "degraded": [models]}``.
+    """
+    import tritonclient.grpc as grpcclient
+
+    def inp(name, arr, dtype):
+        x = grpcclient.InferInput(name, list(arr.shape), dtype)
+        x.set_data_from_numpy(arr)
+        return x
+
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(url)
+    try:
+        c.start_stream(callback=lambda result, error: q.put((result, error)))
+        c.async_stream_infer(router, [
+            inp("text_input", np.array([b"ready?"], dtype=np.object_), "BYTES"),
+            inp("sampling_parameters", np.array([b'{"max_tokens": 1, "temperature": 0}'], dtype=np.object_),
+                "BYTES")])
+        try:
+            result, error = q.get(timeout=timeout_s)
+        except queue.Empty:
+            return {"ready": False, "reason": f"no answer from {router} in {timeout_s:.0f} s", "degraded": []}
+        if error is not None:
+            return {"ready": False, "reason": str(error), "degraded": []}
+        summ = result.as_numpy("routing_summary")
+        degraded = json.loads(summ.reshape(-1)[0]).get("degraded", []) if summ is not None and summ.size else []
+        if degraded:
+            return {"ready": bool(allow_degraded), "degraded": degraded,
+                    "reason": f"degraded: {', '.join(degraded)} down (requests go on without it)"}
+        return {"ready": True, "reason": "ok", "degraded": []}
+    except Exception as e:  # noqa: BLE001 - a probe: not ready, with the reason
+        return {"ready": False, "reason": str(e), "degraded": []}
+    finally:
+        try:
+            c.stop_stream()
+            c.close()
+        except Exception:  # noqa: BLE001
+            pass
 
 
 def main(argv=None) -> int:
-    """CLI: ``stats`` or ``configure`` for each of ``--models``; prints ``{model: answer}`` as JSON."""
+    """CLI: ``stats`` or ``configure`` for each of ``--models``; prints ``{model: answer}`` as JSON.
+    ``ready``: readiness probe through the router (exit status 0 ready, 1 not)."""
     import argparse
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.admin", description=__doc__.split("\n\n")[0])
-    ap.add_argument("op", choices=["stats", "configure", "calibrate"])
+    ap.add_argument("op", choices=["stats", "configure", "calibrate", "ready"])
     ap.add_argument("settings", nargs="?", default="",
                     help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'; "
                          "calibrate: optional JSON {\"batch_sizes\": [...], \"context\": C, \"decode_steps\": K}")
     ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
     ap.add_argument("--models", default="slm,llm", help="comma-separated LLM models (default slm,llm)")
+    ap.add_argument("--router", default="token_router", help="ready: the router model (default token_router)")
+    ap.add_argument("--allow-degraded", action="store_true",
+                    help="ready: a degraded answer (fallback mode, a model down) counts as ready")
+    ap.add_argument("--timeout", type=float, default=30.0, help="ready: seconds to wait (default 30)")
     a = ap.parse_intermixed_args(argv)
+    if a.op == "ready":
+        rep = router_ready(a.url, a.router, a.timeout, a.allow_degraded)
+        print(json.dumps(rep))
+        return 0 if rep["ready"] else 1
     settings: Dict[str, Any] = {}
     if a.op == "calibrate":
         try:

@@ -54,6 +54,9 @@ class PeerReq:
             by default); route() peer indices refer to this list.
         resume: the receiving model already holds this request (set by the
             router); a resume of an unknown request is an error, never a new one.
+        down_models: names of models that are down (``on_peer_failure:
+            fallback``): a route() decision to hand off to one of them is
+            treated as "stay" (the step's token is committed locally).
     """
 
     rid: str
@@ -69,6 +72,7 @@ class PeerReq:
     step: int = 0
     models: List[str] = field(default_factory=list)
     resume: bool = False
+    down_models: List[str] = field(default_factory=list)
 
     def header_json(self) -> str:
         """JSON of every field but ``tokens`` (they travel as an INT64 tensor)."""

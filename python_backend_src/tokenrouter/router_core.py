@@ -16,6 +16,14 @@ A transport has two methods:
   while waiting it may yield ``([], {"kind": "tick"})`` so that cancellation
   is noticed even when the model sends nothing;
 * ``release(model, rid)`` → frees the request's state on ``model``.
+
+A transport raises :class:`~tokenrouter.peer_channel.PeerDownError` (it has a
+``model`` attribute) when a model's process is gone.  :func:`drive` then either
+fails the request (``fallback=False``, the ``on_peer_failure: fail`` mode) or
+goes on on a live model (``fallback=True``): from its pending state there when
+that model has not seen the latest tokens, else re-admitted with the whole
+sequence; handoffs to the dead model are then turned off for the request
+(``PeerReq.down_models``) and ``RoutedRequest.degraded`` names the model.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
+from .peer_channel import PeerDownError
 from .protocol import FinishReason, PeerReq
 
 __all__ = ["RoutedRequest", "drive"]
@@ -50,6 +59,8 @@ class RoutedRequest:
             request's first step (None if it did not say).
         first_token_t, last_token_t: ``time.monotonic()`` when the first and the
             last output tokens reached the router (None before any).
+        degraded: models that were down while this request ran and that it
+            therefore went on without (fallback mode), sorted by name.
     """
 
     tokens: List[int]
@@ -66,6 +77,7 @@ class RoutedRequest:
     first_step_t: Optional[float] = None
     first_token_t: Optional[float] = None
     last_token_t: Optional[float] = None
+    degraded: List[str] = field(default_factory=list)
 
     @property
     def output_ids(self) -> List[int]:
@@ -74,7 +86,7 @@ class RoutedRequest:
 
 def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, detok,
           on_delta: Optional[Callable[[str], None]] = None,
-          cancelled: Callable[[], bool] = lambda: False) -> RoutedRequest:
+          cancelled: Callable[[], bool] = lambda: False, fallback: bool = False) -> RoutedRequest:
     """Run one request through the models until it finishes; release every model's state.
 
     Args:
@@ -85,8 +97,11 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
         detok: an :class:`~tokenrouter.detok.IncrementalDetokenizer` (handles stop strings).
         on_delta: called with each releasable text delta (streaming).
         cancelled: polled between responses; True ends the request as ``cancelled``.
+        fallback: when a model is down, go on on a live model instead of failing
+            (models already listed in ``header.down_models`` are never visited).
 
     Raises:
+        PeerDownError: a model the request needs is down (``fallback`` off, or no live model left).
         RuntimeError: a model reported an error (state is released on every model first).
     """
     models = header.models
@@ -96,6 +111,7 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
     current, finish = first_model, None
     handoff_at = None
     rid = header.rid
+    r.degraded = sorted(set(header.down_models))
     try:
         while finish is None:
             name = models[current]
@@ -105,49 +121,61 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
             seen[current] = len(r.tokens)
             header.tokens = []
             handoff = None
-            for ids, ev in transport.segment(name, rid, suffix, header.header_json()):
-                kind = ev.get("kind")
-                # a "tick" carries nothing: it only reaches the cancellation check below
-                if handoff_at is not None and kind != "tick":
-                    r.handoff_gaps_s.append(time.perf_counter() - handoff_at)
-                    handoff_at = None
-                scores = ev.get("scores") or []
-                if r.first_step_t is None and ev.get("first_step_t") is not None:
-                    r.first_step_t = float(ev["first_step_t"])
-                if ids:
-                    now = time.monotonic()
-                    r.first_token_t = r.first_token_t or now
-                    r.last_token_t = now
-                    r.logprobs.extend((list(ev.get("logprobs") or []) + [None] * len(ids))[:len(ids)])
-                    r.scores.extend((list(scores) + [None] * len(ids))[:len(ids)])
-                    r.tokens.extend(ids)
-                    seen[current] = len(r.tokens)
-                    r.tokens_by_model[name] = r.tokens_by_model.get(name, 0) + len(ids)
-                    r.trace.extend([current] * len(ids))
-                    delta = detok.add(ids)
-                    if on_delta is not None and delta and finish is None:
-                        on_delta(delta)
-                    if detok.stopped and finish is None:
-                        finish = FinishReason.STOP.value
-                        transport.release(name, rid)  # ends the running segment
+            try:
+                events = transport.segment(name, rid, suffix, header.header_json())
+                for ids, ev in events:
+                    kind = ev.get("kind")
+                    # a "tick" carries nothing: it only reaches the cancellation check below
+                    if handoff_at is not None and kind != "tick":
+                        r.handoff_gaps_s.append(time.perf_counter() - handoff_at)
+                        handoff_at = None
+                    scores = ev.get("scores") or []
+                    if r.first_step_t is None and ev.get("first_step_t") is not None:
+                        r.first_step_t = float(ev["first_step_t"])
+                    if ids:
+                        now = time.monotonic()
+                        r.first_token_t = r.first_token_t or now
+                        r.last_token_t = now
+                        r.logprobs.extend((list(ev.get("logprobs") or []) + [None] * len(ids))[:len(ids)])
+                        r.scores.extend((list(scores) + [None] * len(ids))[:len(ids)])
+                        r.tokens.extend(ids)
+                        seen[current] = len(r.tokens)
+                        r.tokens_by_model[name] = r.tokens_by_model.get(name, 0) + len(ids)
+                        r.trace.extend([current] * len(ids))
+                        delta = detok.add(ids)
+                        if on_delta is not None and delta and finish is None:
+                            on_delta(delta)
+                        if detok.stopped and finish is None:
+                            finish = FinishReason.STOP.value
+                            transport.release(name, rid)  # ends the running segment
+                            released.add(current)
+                    if kind == "handoff":
+                        handoff = ev
+                        handoff_at = time.perf_counter()
+                        r.handoff_log.append({"pos": len(r.tokens) - r.n_prompt, "from": current,
+                                              "to": int(ev["to_index"]), "committed": bool(ev.get("committed")),
+                                              "score": scores[-1] if scores else None})
+                    elif kind == "finished":
+                        finish = finish or ev.get("finish_reason", FinishReason.STOP.value)
                         released.add(current)
-                if kind == "handoff":
-                    handoff = ev
-                    handoff_at = time.perf_counter()
-                    r.handoff_log.append({"pos": len(r.tokens) - r.n_prompt, "from": current,
-                                          "to": int(ev["to_index"]), "committed": bool(ev.get("committed")),
-                                          "score": scores[-1] if scores else None})
-                elif kind == "finished":
-                    finish = finish or ev.get("finish_reason", FinishReason.STOP.value)
-                    released.add(current)
-                elif kind == "cancelled" and finish is None:
-                    finish = FinishReason.CANCELLED.value
-                    released.add(current)
-                if finish is None and cancelled():
-                    finish = FinishReason.CANCELLED.value
-                    transport.release(name, rid)  # the segment's remaining responses are dropped
-                    released.add(current)
-                    break
+                    elif kind == "cancelled" and finish is None:
+                        finish = FinishReason.CANCELLED.value
+                        released.add(current)
+                    if finish is None and cancelled():
+                        finish = FinishReason.CANCELLED.value
+                        transport.release(name, rid)  # the segment's remaining responses are dropped
+                        released.add(current)
+                        break
+            except PeerDownError as e:
+                if finish is not None:
+                    break  # the request had already ended (e.g. a stop string)
+                if not fallback:
+                    raise
+                nxt = _fall_back(e, models, current, r, header, seen, touched, released, transport, rid)
+                if nxt is None:
+                    raise
+                current = nxt
+                continue
             if finish is None and handoff is None:
                 raise RuntimeError(f"model {name} ended a segment without a handoff or finish")
             if handoff is not None and finish is None:
@@ -165,6 +193,32 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
                 transport.release(models[m], rid)
     r.finish = finish
     return r
+
+
+def _fall_back(err, models, current, r, header, seen, touched, released, transport, rid) -> Optional[int]:
+    """Continue a request whose model went down on the first live model (fallback mode).
+
+    Updates ``r.degraded``, ``header`` (``down_models``, ``num_generated``) and the
+    bookkeeping of :func:`drive`; returns the model index to go on with, or None
+    when every model is down.
+    """
+    dead = getattr(err, "model", None) or models[current]
+    released.add(models.index(dead) if dead in models else current)  # its state went with its process
+    r.degraded = sorted(set(r.degraded) | {dead})
+    alive = [i for i, m in enumerate(models) if m not in r.degraded]
+    if not alive:
+        return None
+    nxt = alive[0]
+    header.down_models = list(r.degraded)
+    header.num_generated = len(r.tokens) - r.n_prompt
+    if nxt in touched and seen[nxt] >= len(r.tokens):
+        # it holds every token already (the handoff step's token was not committed): nothing to
+        # resume with, so free its state and admit the request anew with the whole sequence
+        if nxt not in released:
+            transport.release(models[nxt], rid)
+        released.discard(nxt)
+        seen[nxt] = 0
+    return nxt
 
 
 def stop_token_ids(tokenizer) -> List[int]:

@@ -11,9 +11,18 @@ client mid-way and a fraction of malformed requests.  It then checks that
 * the server is live and still answers, and every model's KV usage and active
   requests return to zero (``stats`` op).
 
+With ``--kill-stub MODEL`` a killer thread also SIGKILLs that model's Triton
+Python stub (found in the process list: a ``triton_python_backend_stub`` child of
+``--server-pid`` with ``MODEL_0_0`` in its arguments) at random intervals
+(``--kill-every`` mean seconds); requests that then end with an error naming a
+model that is down count as answered (a clear error), and at the end the stubs'
+memory (RSS) is reported so that growth across restarts shows.
+
 Usage (server already running, e.g. ``deploy/serve --background``)::
 
     python -m tokenrouter.soak --url localhost:8001 --seconds 300 --concurrency 8
+    python -m tokenrouter.soak --seconds 600 --kill-stub llm --kill-every 90 \
+        --server-pid "$(cat ~/.cache/tokenrouter/run/tritonserver.pid)"
 
 Exit status 0 when every check passed, 1 otherwise (the report says which).
 """
@@ -22,14 +31,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import random
+import signal
 import threading
 import time
 from collections import Counter
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-__all__ = ["run_soak", "main"]
+__all__ = ["run_soak", "main", "find_stub", "stub_rss_mb"]
 
 PROMPTS = [
     "Explain why the sky is blue.", "Write a short poem about the sea.", "List three uses of copper.",
@@ -111,10 +122,66 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
             pass
 
 
+def find_stub(server_pid: int, model: str) -> Optional[int]:
+    """pid of the live Triton Python stub of ``model`` (instance ``<model>_0_0``) whose
+    parent is ``server_pid``, or None."""
+    inst = f"{model}_0_0".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{d}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2:].split()
+        if argv and argv[0].endswith(b"triton_python_backend_stub") and inst in argv \
+                and fields[0] != b"Z" and int(fields[1]) == int(server_pid):
+            return int(d)
+    return None
+
+
+def stub_rss_mb(server_pid: int, models: Sequence[str]) -> Dict[str, float]:
+    """Resident memory (MiB) of each model's stub under ``server_pid`` (absent when not running)."""
+    out = {}
+    for m in models:
+        pid = find_stub(server_pid, m)
+        if pid is None:
+            continue
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        out[m] = round(int(line.split()[1]) / 1024, 1)
+        except OSError:
+            pass
+    return out
+
+
+def _killer(server_pid: int, model: str, every_s: float, stop: threading.Event, rng: random.Random,
+            log: List[Dict[str, Any]], progress: bool) -> None:
+    """SIGKILL ``model``'s stub at exponential random intervals of mean ``every_s`` seconds."""
+    t0 = time.monotonic()
+    while not stop.wait(rng.expovariate(1.0 / every_s)):
+        pid = find_stub(server_pid, model)
+        if pid is None:  # still restarting from the previous kill
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue
+        log.append({"t_s": round(time.monotonic() - t0, 1), "model": model, "pid": pid})
+        if progress:
+            print(f"  killed the stub of {model} (pid {pid})", flush=True)
+
+
 def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str] = ("slm", "llm"),
              router: str = "token_router", cancel_fraction: float = 0.15, bad_fraction: float = 0.05,
              plain_fraction: float = 0.2, thresholds: Sequence[float] = (0.1, 0.2, 0.3),
-             request_timeout_s: float = 300.0, seed: int = 0, progress: bool = False) -> Dict[str, Any]:
+             request_timeout_s: float = 300.0, seed: int = 0, progress: bool = False,
+             kill_stub: str = "", kill_every_s: float = 60.0, server_pid: int = 0) -> Dict[str, Any]:
     """Run the soak and return the report (see module docstring).
 
     Args:
@@ -127,13 +194,30 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         thresholds: routing thresholds drawn per request (``routing_threshold``);
             empty to use the server's.
         request_timeout_s: a request without a final answer after this long is "hung".
+        kill_stub: a model whose stub is SIGKILLed at random intervals ("" = none).
+        kill_every_s: mean seconds between two kills.
+        server_pid: the tritonserver's pid (required with ``kill_stub``).
 
     Returns:
         dict: ``passed`` (bool), ``problems`` (list of str), ``outcomes`` per
         kind, ``requests``, ``handoffs``, ``output_tokens``, ``seconds``,
-        ``final_stats`` per model.
+        ``final_stats`` per model; with ``kill_stub`` also ``kills`` and
+        ``stub_rss_mb`` (``start`` / ``end`` per model).
+
+    Raises:
+        ValueError: ``kill_stub`` without ``server_pid``, or no such stub.
     """
     from . import admin
+
+    kills: List[Dict[str, Any]] = []
+    rss_start: Dict[str, float] = {}
+    kill_stop = threading.Event()
+    if kill_stub:
+        if not server_pid or find_stub(server_pid, kill_stub) is None:
+            raise ValueError(f"no stub of model {kill_stub!r} under tritonserver pid {server_pid}")
+        rss_start = stub_rss_mb(server_pid, [*models, router])
+        threading.Thread(target=_killer, args=(server_pid, kill_stub, kill_every_s, kill_stop,
+                                               random.Random(seed + 7), kills, progress), daemon=True).start()
 
     stop_at = time.monotonic() + seconds
     records: List[Dict[str, Any]] = []
@@ -158,6 +242,7 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         t.start()
     for t in threads:
         t.join(seconds + request_timeout_s + 60)
+    kill_stop.set()
     wall = time.monotonic() - t0
     problems: List[str] = []
     if any(t.is_alive() for t in threads):
@@ -169,12 +254,22 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
             problems.append(f"a {r['kind']} request hung for {request_timeout_s:.0f} s")
         elif r["kind"] == "bad" and r["outcome"] != "error":
             problems.append(f"a malformed request was not rejected: {r}")
-        elif r["kind"] in ("stream", "plain") and r["outcome"] != "ok":
+        elif r["kind"] in ("stream", "plain") and r["outcome"] != "ok" and not (
+                kill_stub and r["outcome"] == "error" and _down_error(r["error"])):
             problems.append(f"a valid {r['kind']} request failed: {r['outcome']} {r['error'][:200]}")
-        elif r["kind"] == "cancel" and r["outcome"] not in ("cancelled", "ok", "ok-no-summary"):
+        elif r["kind"] == "cancel" and r["outcome"] not in ("cancelled", "ok", "ok-no-summary") and not (
+                kill_stub and r["outcome"] == "error" and _down_error(r["error"])):
             problems.append(f"a cancelled stream ended badly: {r['outcome']} {r['error'][:200]}")
     final: Dict[str, Any] = {}
     try:
+        if kill_stub:  # the last kill's restart must be over before the checks
+            back = admin.router_ready(url, router, timeout_s=30)
+            deadline = time.monotonic() + 180
+            while not back["ready"] and time.monotonic() < deadline:
+                time.sleep(2)
+                back = admin.router_ready(url, router, timeout_s=30)
+            if not back["ready"]:
+                problems.append(f"{router} not ready 180 s after the soak: {back['reason']}")
         deadline = time.monotonic() + 60
         while True:
             final = {m: admin.model_stats(url, m) for m in models}
@@ -191,12 +286,22 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
             problems.append(f"the server no longer answers: {probe}")
     except Exception as e:  # noqa: BLE001
         problems.append(f"server unreachable after the soak: {e}")
-    return {"passed": not problems, "problems": problems[:50],
+    extra: Dict[str, Any] = {}
+    if kill_stub:
+        extra = {"kills": kills, "stub_rss_mb": {"start": rss_start,
+                                                  "end": stub_rss_mb(server_pid, [*models, router])},
+                 "down_errors": sum(1 for r in records if r["outcome"] == "error" and _down_error(r["error"]))}
+    return {**extra, "passed": not problems, "problems": problems[:50],
             "outcomes": {k: dict(v) for k, v in outcomes.items()}, "requests": len(records),
             "handoffs": sum(r["handoffs"] for r in records),
             "output_tokens": sum(r["tokens"] for r in records), "seconds": round(wall, 1),
             "final_stats": {m: {k: s.get(k) for k in ("kv_tokens_in_use", "active", "handoffs_out", "errors")}
                             for m, s in final.items()}}
+
+
+def _down_error(message: str) -> bool:
+    """A clear error about a model that is down (expected while stubs are being killed)."""
+    return " is down" in message or "not ready" in message or "not healthy" in message
 
 
 def main(argv=None) -> int:
@@ -214,11 +319,18 @@ def main(argv=None) -> int:
                     help="routing thresholds drawn per request ('' = the server's)")
     ap.add_argument("--request-timeout", type=float, default=300, help="seconds before a request counts as hung")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kill-stub", default="", metavar="MODEL",
+                    help="SIGKILL this model's Triton stub at random intervals (needs --server-pid)")
+    ap.add_argument("--kill-every", type=float, default=60.0, help="mean seconds between two kills")
+    ap.add_argument("--server-pid", type=int, default=0, help="pid of the tritonserver (for --kill-stub)")
     a = ap.parse_args(argv)
+    if a.kill_stub and not a.server_pid:
+        ap.error("--kill-stub needs --server-pid (the tritonserver whose stub is killed)")
     rep = run_soak(a.url, a.seconds, a.concurrency, models=[m for m in a.models.split(",") if m],
                    router=a.router, cancel_fraction=a.cancel_fraction, bad_fraction=a.bad_fraction,
                    thresholds=[float(x) for x in a.thresholds.split(",") if x.strip()],
-                   request_timeout_s=a.request_timeout, seed=a.seed, progress=True)
+                   request_timeout_s=a.request_timeout, seed=a.seed, progress=True,
+                   kill_stub=a.kill_stub, kill_every_s=a.kill_every, server_pid=a.server_pid)
     print(json.dumps(rep, indent=2))
     print("soak: PASSED" if rep["passed"] else "soak: FAILED")
     return 0 if rep["passed"] else 1

@@ -543,6 +543,8 @@ class Subserver:
                              hidden=None if out.hidden is None else out.hidden[i],
                              logits=logits[i], state=lr)
             k = lr.algo.route(res)
+            if k != 0 and hdr.down_models and hdr.models[lr.algo.peer_model(k)] in hdr.down_models:
+                k = 0  # that peer is down (router's fallback mode): this model keeps writing
             lr.algo.step_scores.append(lr.algo.last_score)
             hdr.step += 1
             commit = k == 0 or lr.algo.commit_on_handoff(res)

@@ -25,7 +25,7 @@ Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
 Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
 ``kv_pool_tokens``, ``max_running_requests``, ``context_length``,
 ``torch_threads``, ``load_format``, ``random_seed``, ``delayed_batch_size``,
-``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``, ``peer_endpoint``
+``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``, ``peer_endpoint``, ``drain_timeout_s`` (an unload waits this long for the requests the model holds; default 30)
 (std-serving baseline), ``lockstep_group`` (lock-step baseline: comma-separated
 models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}``
 is replaced by the model name), ``capture_hidden`` (return the last hidden
@@ -51,7 +51,7 @@ import triton_python_backend_utils as pb_utils
 
 from .engine import EngineConfig, SGLangEngine
 from .lockstep import TurnRing, default_ring_path
-from .peer_channel import PeerServer
+from .peer_channel import PeerServer, dead_routers, process_start_time, remove_advert, write_advert
 from .protocol import PeerReq
 from .subserver import FINAL_KINDS, Subserver, SubserverConfig
 from .triton_common import llm_settings, model_parameters, param
@@ -100,6 +100,8 @@ class TritonPythonModel:
         self.engine_config = EngineConfig(**engine_kwargs)
         sched = SubserverConfig(**sched_kwargs)
         self._ring_paths: set = set()  # lock-step turn files this model opened (removed at finalize)
+        # seconds an unload waits for the requests this model holds (Triton's default exit_timeout)
+        self.drain_timeout_s = param(p, "drain_timeout_s", 30.0, float)
         group = param(p, "lockstep_group", "")
         if group:
             sched.lockstep = self._ring(group)
@@ -117,6 +119,7 @@ class TritonPythonModel:
         self.peer_server = PeerServer(self.subserver, param(p, "peer_endpoint", "") or None,
                                       configure_fn=self._configure)
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
+        self._start_liveness()
         self._metrics_thread = threading.Thread(target=self._metrics_loop, name=f"metrics-{self.name}", daemon=True)
         self._metrics_thread.start()
 
@@ -217,7 +220,9 @@ class TritonPythonModel:
                 elif op == "stats":
                     sender.send(self._response([], {"kind": "stats", **self.subserver.stats()}), flags=_FINAL)
                 elif op == "endpoint":
-                    sender.send(self._response([], {"kind": "endpoint", "endpoint": self.peer_server.endpoint}),
+                    sender.send(self._response([], {"kind": "endpoint", "endpoint": self.peer_server.endpoint,
+                                                    "pid": os.getpid(),
+                                                    "start": process_start_time(os.getpid())}),
                                 flags=_FINAL)
                 elif op == "run":
                     ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
@@ -284,7 +289,95 @@ class TritonPythonModel:
             sender.send(self._response(tokens, {"kind": kind, **info}), flags=_FINAL if final else 0)
         return sink
 
+    # -------------------------------------------------------------- liveness
+    def _start_liveness(self) -> None:
+        """Advertise the endpoint and this process to the router (``peer_channel.write_advert``:
+        the router watches the process and finds a restarted model's new endpoint there) and
+        clean up if tritonserver goes away without finalising this stub (``stub_guard``)."""
+        from . import stub_guard
+
+        self._advert = write_advert(self.name, self.peer_server.endpoint)
+        stub_guard.install(self._cleanup_files)
+        threading.Thread(target=self._router_guardian, name=f"router-guardian-{self.name}", daemon=True).start()
+
+    def _router_guardian(self, interval_s: float = 1.0) -> None:
+        """Reload a router whose stub died (its advert names a dead process).
+
+        The Triton 2.51 Python backend does not restart a dead stub of a decoupled
+        model; with ``--model-control-mode=explicit`` the router is unloaded and
+        loaded again through the model-control API.  One model does it: the one
+        that holds the advert's lock file.  Without explicit mode the API refuses
+        and the router stays down (logged once).
+        """
+        import fcntl
+
+        from .peer_channel import advert_path
+
+        refused = set()
+        while not self._closing.wait(interval_s):
+            for router in dead_routers():
+                if router in refused:
+                    continue
+                try:
+                    with open(advert_path(router, kind="router") + ".lock", "a") as lock:
+                        try:
+                            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        except OSError:
+                            continue  # another model is reloading it
+                        if router not in dead_routers():
+                            continue
+                        logger.error("router %s is down (its stub exited): reloading it", router)
+                        try:
+                            pb_utils.unload_model(router)
+                            pb_utils.load_model(model_name=router)
+                        except Exception as e:  # noqa: BLE001
+                            logger.error("reload of router %s failed: %s", router, e)
+                            refused.add(router)
+                except OSError:
+                    continue
+
+    def _cleanup_files(self) -> None:
+        """Remove what this model created outside its process: advert, ipc socket, turn files."""
+        remove_advert(self.name)
+        self._remove_router_locks()
+        ep = self.peer_server.endpoint
+        if ep.startswith("ipc://"):
+            try:
+                os.unlink(ep[len("ipc://"):])
+            except OSError:
+                pass
+        for path in self._ring_paths:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+    @staticmethod
+    def _remove_router_locks() -> None:
+        """Remove the lock files of router reloads (re-created when needed)."""
+        import glob
+        import tempfile
+
+        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{os.getppid()}-*.router.json.lock")):
+            try:
+                os.unlink(lock)
+            except OSError:
+                pass
+
+    def _drain(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s`` seconds) until this model holds no request.
+
+        Triton waits for a model's own in-flight requests before it unloads it, but
+        routed requests reach this model over ZeroMQ, not through Triton: without
+        this wait a SIGTERM would unload the models under the router's streams."""
+        deadline = time.monotonic() + timeout_s
+        while self.subserver.requests and time.monotonic() < deadline:
+            time.sleep(0.1)
+
     def finalize(self) -> None:
+        remove_advert(self.name)  # unloaded on purpose: the router does not restart it
+        self._drain(self.drain_timeout_s)
+        self._remove_router_locks()
         self._closing.set()
         self._metrics_dirty.set()
         self.peer_server.close()

@@ -48,7 +48,10 @@ Outputs
 Config parameters: ``models`` (comma-separated, deployment order; model 0 is
 the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 ``max_concurrent_requests``, ``default_max_tokens``, ``context_length``,
-``peer_timeout_s`` (a model silent this long fails the request; 0 = never).
+``peer_timeout_s`` (a model silent this long fails the request; 0 = never),
+``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
+it needs is down; see :class:`_PeerFailure`), ``peer_restart_s`` (seconds between
+two attempts to get a dead model restarted).
 
 Models are reached over the ZeroMQ channel of :mod:`tokenrouter.peer_channel`;
 each model's endpoint is asked once with a BLS call (op ``endpoint``).
@@ -82,7 +85,7 @@ import triton_python_backend_utils as pb_utils
 from .algorithms import get_algorithm
 from .detok import IncrementalDetokenizer
 from .metrics import RouterMetrics, observe_request
-from .peer_channel import PeerClient
+from .peer_channel import PeerClient, PeerDownError, read_advert, remove_advert, write_advert
 from .protocol import FinishReason
 from .router_core import drive, encode_prompt, make_header, stop_token_ids
 from .sampling import SamplingParams, parse_sampling_parameters
@@ -208,15 +211,30 @@ class TritonPythonModel:
         self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
                                        thread_name_prefix="router")
         self._closing = threading.Event()
-        self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=param(p, "peer_timeout_s", 600.0, float))
+        self.failure = _PeerFailure(self, param(p, "on_peer_failure", "fail"),
+                                    param(p, "peer_restart_s", 5.0, float))
+        self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=param(p, "peer_timeout_s", 600.0, float),
+                                on_down=self.failure.on_down)
         # the client I/O loop: the only thread that sends responses and checks cancellation
         self._out: "queue.Queue[tuple]" = queue.Queue()
         self._active: Dict[str, _Job] = {}
         self._active_lock = threading.Lock()
         self._running = 0  # jobs a worker is driving (the rest of _active wait for one)
         self.metrics = self._init_metrics(args)
+        self._io_done = threading.Event()
         self._io = threading.Thread(target=self._client_io, name="router-client-io", daemon=True)
         self._io.start()
+        self.failure.start()
+        from . import stub_guard  # no orphan if tritonserver goes away without finalising this stub
+
+        self._name = str(self.model_config.get("name", "token_router"))
+        write_advert(self._name, self.peers.reply_endpoint, kind="router")  # the models restart a dead router
+        stub_guard.install(self._cleanup_files)
+
+    def _cleanup_files(self) -> None:
+        """(tritonserver gone) Remove this router's advert and ipc socket."""
+        remove_advert(self._name, kind="router")
+        self.peers.close()
 
     # --------------------------------------------------------------- metrics
     def _init_metrics(self, args: Dict[str, Any]) -> Optional[RouterMetrics]:
@@ -297,6 +315,10 @@ class TritonPythonModel:
     def execute(self, requests: List[Any]) -> None:
         for request in requests:
             arrival = time.monotonic()
+            refusal = self.failure.refusal()
+            if refusal:
+                self._out.put((request.get_response_sender(), "error", refusal))
+                continue
             try:
                 job = self._parse(request)
             except ClientError as e:
@@ -316,10 +338,18 @@ class TritonPythonModel:
     def _discover_endpoint(self, model: str) -> str:
         """The ZeroMQ endpoint of ``model`` (called by the PeerClient once per model).
 
-        The BLS call runs on the client I/O thread, the only thread of this stub
-        that calls into the Python backend (concurrent calls from several threads
-        have corrupted the Triton 2.51 stub's heap).
+        The model's advert file (``peer_channel.read_advert``: endpoint, pid and
+        start time of its live stub) is used when there is one; else a BLS call
+        asks the model.  The BLS call runs on the client I/O thread, the only
+        thread of this stub that calls into the Python backend (concurrent calls
+        from several threads have corrupted the Triton 2.51 stub's heap).
+
+        Returns:
+            ``{"endpoint": str, "pid": int, "start": int | None}``.
         """
+        adv = read_advert(model)
+        if adv is not None:
+            return adv
         done, box = threading.Event(), {}
         self._out.put((None, "discover", (model, box, done)))
         if not done.wait(120):
@@ -329,7 +359,7 @@ class TritonPythonModel:
         return box["endpoint"]
 
     @staticmethod
-    def _bls_endpoint(model: str) -> str:
+    def _bls_endpoint(model: str) -> Dict[str, Any]:
         req = pb_utils.InferenceRequest(
             model_name=model, requested_output_names=["event"],
             inputs=[pb_utils.Tensor("request_id", np.asarray([[b""]], dtype=np.object_)),
@@ -343,14 +373,14 @@ class TritonPythonModel:
             if ev_t is not None:
                 ev = json.loads(ev_t.as_numpy().reshape(-1)[0])
                 if ev.get("endpoint"):
-                    return str(ev["endpoint"])
+                    return {"endpoint": str(ev["endpoint"]), "pid": ev.get("pid"), "start": ev.get("start")}
         raise RuntimeError(f"model {model} has no inter-model endpoint (is it a tokenrouter LLM model?)")
 
     # -------------------------------------------------------- client I/O loop
     def _client_io(self) -> None:
         """Send queued responses in order and sweep cancellation (one thread for all requests)."""
         next_sweep = 0.0
-        while not self._closing.is_set():
+        while not (self._io_done.is_set() and self._out.empty()):
             try:
                 sender, kind, payload = self._out.get(timeout=CANCEL_CHECK_INTERVAL_S)
             except queue.Empty:
@@ -364,6 +394,11 @@ class TritonPythonModel:
                 done.set()
             elif kind == "metrics":
                 self._io_metrics(payload)
+            elif kind == "call":  # work that must run on this thread (metrics, restart kicks)
+                try:
+                    payload()
+                except Exception:  # noqa: BLE001
+                    logger.debug("router: I/O-thread call failed", exc_info=True)
             elif sender is not None:
                 try:
                     if kind == "chunk":
@@ -398,6 +433,10 @@ class TritonPythonModel:
             self._running += 1
         try:
             self._run(job)
+        except PeerDownError as e:  # a model died: this client gets the reason, naming the model
+            logger.error("router: request %s failed: %s", job.rid, e)
+            self._out.put((None, "metrics", "error"))
+            self._send(job, "error", self.failure.describe(e))
         except Exception as e:  # noqa: BLE001 - error to this client only
             logger.exception("router: request %s failed", job.rid)
             self._out.put((None, "metrics", "error"))
@@ -413,18 +452,25 @@ class TritonPythonModel:
                                        skip_special_tokens=job.sp.skip_special_tokens)
         header = make_header(job.rid, job.sp, self.algorithm, job.params, self.models, self.stop_token_ids)
         first = self.algo_cls.first_model(job.params, rid=job.rid, sampling=header.sampling)
+        fallback = self.failure.fallback
+        if fallback:
+            header.down_models = sorted(self.peers.down())
         r = drive(self.peers, header, job.prompt_ids, first, detok,
                   on_delta=(lambda d: self._send(job, "chunk", d)) if job.stream else None,
-                  cancelled=lambda: job.cancelled)
+                  cancelled=lambda: job.cancelled or self._closing.is_set(), fallback=fallback)
         if r.finish == FinishReason.CANCELLED.value:
             self._out.put((None, "metrics", "cancelled"))
-            self._send(job, "error", "request cancelled")
+            self._send(job, "error", "server is shutting down" if self._closing.is_set() and not job.cancelled
+                       else "request cancelled")
             return
         tail = detok.flush()
         summary = {"algorithm": self.algorithm, "params": job.params,
                    "tokens_by_model": {m: r.tokens_by_model.get(m, 0) for m in self.models},
                    "handoffs": r.handoffs, "handoffs_by_pair": r.pairs,
                    "handoff_gap_s": [round(g, 6) for g in r.handoff_gaps_s]}
+        if r.degraded:
+            summary["degraded"] = r.degraded
+            self.failure.count_degraded()
         if job.stream:
             text = tail
         else:
@@ -463,11 +509,223 @@ class TritonPythonModel:
             pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))])
 
     def finalize(self) -> None:
+        """Unload: end every request still in flight with "server is shutting down", then stop.
+
+        Triton calls this after its ``exit_timeout`` wait for in-flight requests
+        (or at an explicit unload); the worker threads must not outlive it, or
+        the stub process cannot exit.
+        """
+        remove_advert(self._name, kind="router")  # unloaded on purpose: not to be restarted
         self._closing.set()
+        self.failure.stop()
+        self.peers.fail_all("server is shutting down")
         self.pool.shutdown(wait=False, cancel_futures=True)
+        deadline = time.monotonic() + 10
+        for t in list(getattr(self.pool, "_threads", ())):  # workers end at their next tick
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        self._io_done.set()  # the client I/O loop sends what the workers queued, then ends
+        self._io.join(timeout=5)
         self.peers.close()
         self._io.join(timeout=2)
         # free the metric families while the stub's shared memory is alive (as triton_llm does)
         if self.metrics is not None:
             self.metrics.close()
             self.metrics = None
+        self.failure.drop_metrics()
+
+
+ON_PEER_FAILURE = ("fail", "fallback")
+
+
+class _PeerFailure:
+    """What the router does about models that are down (issue: a dead model must not take
+    routed requests down with it).
+
+    * **Detection**: :class:`~tokenrouter.peer_channel.PeerClient` watches each model's
+      stub process (pid and start time from its advert or endpoint answer, checked
+      every 0.25 s); when it exits, requests waiting on it end at once with
+      :class:`~tokenrouter.peer_channel.PeerDownError` and :meth:`on_down` runs.
+    * ``on_peer_failure = "fail"`` (default): those requests get an error naming the
+      model, and new requests are refused at once (:meth:`refusal`) until it is back.
+    * ``on_peer_failure = "fallback"``: requests go on on a live model (SLM-only),
+      ``routing_summary`` gets ``"degraded": [model]`` and
+      ``tokenrouter_degraded_requests_total`` counts them.
+    * **Recovery** (a thread): every ``restart_s`` seconds a Triton request is sent to
+      the dead model (the Python backend restarts a dead stub when a request reaches
+      it), or, where the server runs with ``--model-control-mode=explicit``, the
+      model is loaded again; the restarted stub writes a fresh advert, the router
+      checks it answers a ``ping`` and uses its new endpoint.
+    * Metrics: ``tokenrouter_peer_up`` (1/0, labels ``model`` and ``router``),
+      ``tokenrouter_peer_restarts_total`` (same labels) and
+      ``tokenrouter_degraded_requests_total`` (label ``model``: the router).
+
+    Args:
+        router: the :class:`TritonPythonModel` (its client I/O queue and peers).
+        mode: ``fail`` or ``fallback``.
+        restart_s: seconds between two restart attempts of a dead model (> 0).
+
+    Raises:
+        pb_utils.TritonModelException: bad ``mode`` or ``restart_s`` (the model fails to load).
+    """
+
+    def __init__(self, router, mode: str, restart_s: float):
+        mode = str(mode).strip().lower()
+        if mode not in ON_PEER_FAILURE:
+            raise pb_utils.TritonModelException(
+                f"on_peer_failure must be one of {ON_PEER_FAILURE}, got {mode!r}")
+        if not restart_s > 0:
+            raise pb_utils.TritonModelException(f"peer_restart_s must be > 0, got {restart_s}")
+        self.router = router
+        self.mode = mode
+        self.fallback = mode == "fallback"
+        self.restart_s = float(restart_s)
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._dead: Dict[str, float] = {}  # model -> time it was found down
+        self._explicit: Optional[bool] = None  # does the model-control API work (explicit mode)?
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._recover_loop, name="router-recovery", daemon=True)
+        self._init_metrics()
+
+    # ------------------------------------------------------------ metrics
+    def _init_metrics(self) -> None:
+        G = pb_utils.MetricFamily.GAUGE
+        self._families = [
+            pb_utils.MetricFamily(name="tokenrouter_peer_up", description="1 while the router can reach the "
+                                  "model, 0 while it is down", kind=G),
+            pb_utils.MetricFamily(name="tokenrouter_peer_restarts_total", description="times a model was found "
+                                  "down and brought back", kind=pb_utils.MetricFamily.COUNTER),
+            pb_utils.MetricFamily(name="tokenrouter_degraded_requests_total", description="requests that went on "
+                                  "without a model that was down (on_peer_failure fallback)",
+                                  kind=pb_utils.MetricFamily.COUNTER),
+        ]
+        up, restarts, degraded = self._families
+        me = str(self.router.model_config.get("name", "token_router"))  # several routers may share a server
+        self._up = {m: up.Metric(labels={"model": m, "router": me}) for m in self.router.models}
+        self._restarts = {m: restarts.Metric(labels={"model": m, "router": me}) for m in self.router.models}
+        self._degraded = degraded.Metric(labels={"model": me})
+        for m in self._up.values():
+            m.set(1.0)
+
+    def _on_io(self, fn) -> None:
+        """Run ``fn`` on the client I/O thread (the only thread that calls into the backend)."""
+        self.router._out.put((None, "call", fn))
+
+    def count_degraded(self) -> None:
+        """Count one request that finished degraded."""
+        self._on_io(lambda: self._degraded.increment(1.0))
+
+    def drop_metrics(self) -> None:
+        """Free the metric objects while the stub is alive (see triton_llm.finalize)."""
+        self._up.clear()
+        self._restarts.clear()
+        self._degraded = None
+        self._families.clear()
+
+    # ------------------------------------------------------------ state
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout=5)
+
+    def on_down(self, model: str, reason: str) -> None:
+        """Called by the PeerClient when ``model`` went down: note it, start its recovery."""
+        with self._lock:
+            self._dead.setdefault(model, time.monotonic())
+        if model in self._up:
+            self._on_io(lambda: self._up[model].set(0.0))
+        self._wake.set()
+
+    def refusal(self) -> Optional[str]:
+        """The reason to refuse a new request now (fail mode with a model down), else None."""
+        if self.router._closing.is_set():
+            return "token_router is shutting down: request refused"
+        if self.fallback:
+            return None
+        down = self.router.peers.down()
+        if not down:
+            return None
+        return ("token_router is not ready: " + "; ".join(sorted(down.values())) +
+                " (on_peer_failure=fail; the model is being restarted, retry later)")
+
+    def describe(self, err: PeerDownError) -> str:
+        """Client-facing message for a request that failed because a model went down."""
+        return f"{err} (on_peer_failure={self.mode}; the model is being restarted, retry later)"
+
+    # ------------------------------------------------------------ recovery
+    def _recover_loop(self) -> None:
+        kicked: Dict[str, float] = {}
+        while not self._stop.is_set():
+            self._wake.wait(0.5)
+            self._wake.clear()
+            with self._lock:
+                dead = dict(self._dead)
+            for model in dead:
+                if self._stop.is_set():
+                    return
+                if self._try_reconnect(model):
+                    with self._lock:
+                        self._dead.pop(model, None)
+                    kicked.pop(model, None)
+                    if model in self._up:
+                        self._on_io(lambda m=model: (self._up[m].set(1.0), self._restarts[m].increment(1.0)))
+                    continue
+                now = time.monotonic()
+                if now - kicked.get(model, -1e9) >= self.restart_s:
+                    self._restart(model)
+                    kicked[model] = time.monotonic()
+
+    def _try_reconnect(self, model: str) -> bool:
+        """Use the model's new advert if its process is alive and it answers a ping."""
+        adv = read_advert(model)
+        if adv is None:
+            return False
+        try:
+            self.router.peers.mark_up(model, adv)
+            self.router.peers.call(model, "ping", timeout_s=10)
+            return True
+        except Exception as e:  # noqa: BLE001 - not back yet
+            logger.info("model %s not back yet: %s", model, e)
+            self.router.peers.mark_down(model, f"model {model} is down: no answer after its restart")
+            return False
+
+    def _restart(self, model: str) -> None:
+        """Get a dead model's stub restarted.
+
+        Where the server runs with ``--model-control-mode=explicit`` (as
+        ``deploy/serve`` does), the model is unloaded and loaded again through the
+        model-control API, on this thread (a load takes as long as the model's
+        initialisation).  In other modes that API refuses; then a Triton request is
+        sent to the model on the client I/O thread (a dead stub answers it at once
+        with "Stub process ... is not healthy"; Python backends that restart an
+        unhealthy stub on a request do so then).
+        """
+        if read_advert(model, alive_only=False) is None:
+            return  # no advert: the model was unloaded on purpose (its finalize removed it), not restarted
+        if self._explicit is not False:
+            try:
+                if read_advert(model) is not None:
+                    return  # someone (another router) already brought it back
+                if pb_utils.is_model_ready(model):  # Triton still counts the dead stub as ready
+                    pb_utils.unload_model(model)
+                pb_utils.load_model(model_name=model)
+                self._explicit = True
+                logger.warning("model %s loaded again (model-control API)", model)
+                return
+            except Exception as e:  # noqa: BLE001
+                if self._explicit is None:
+                    self._explicit = False
+                logger.warning("model-control reload of %s failed: %s", model, e)
+                if self._explicit:
+                    return
+        self._on_io(lambda: self._poke(model))
+
+    @staticmethod
+    def _poke(model: str) -> None:
+        try:
+            TritonPythonModel._bls_endpoint(model)
+        except Exception as e:  # noqa: BLE001 - expected while it is down
+            logger.info("restart request to %s: %s", model, e)
