@@ -25,7 +25,6 @@ import threading
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import requests
 import tritonclient.grpc as grpcclient

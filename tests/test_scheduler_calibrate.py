@@ -1,6 +1,5 @@
 """The ``calibrate`` admin op against the real server (demo pair), and its CLI."""
 
-import json
 
 import numpy as np
 import pytest

@@ -36,10 +36,7 @@ def model_op(url: str, model: str, op: str, payload: Optional[Dict[str, Any]] = 
     """
     import tritonclient.grpc as grpcclient
 
-    def inp(name, arr, dtype):
-        x = grpcclient.InferInput(name, list(arr.shape), dtype)
-        x.set_data_from_numpy(arr)
-        return x
+    from .cli import grpc_input as inp
 
     q: "queue.Queue" = queue.Queue()
     c = grpcclient.InferenceServerClient(url)
@@ -105,10 +102,7 @@ def router_ready(url: str, router: str = "token_router", timeout_s: float = 30.0
     """
     import tritonclient.grpc as grpcclient
 
-    def inp(name, arr, dtype):
-        x = grpcclient.InferInput(name, list(arr.shape), dtype)
-        x.set_data_from_numpy(arr)
-        return x
+    from .cli import grpc_input as inp
 
     q: "queue.Queue" = queue.Queue()
     c = grpcclient.InferenceServerClient(url)

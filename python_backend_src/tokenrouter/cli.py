@@ -19,15 +19,21 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["stream_generate", "main"]
+__all__ = ["grpc_input", "stream_generate", "main"]
+
+
+def grpc_input(name: str, array: np.ndarray, dtype: str):
+    """A ``tritonclient.grpc.InferInput`` named ``name`` holding ``array`` (Triton dtype ``dtype``,
+    e.g. ``"BYTES"``, ``"BOOL"``, ``"INT64"``; shape taken from the array)."""
+    import tritonclient.grpc as grpcclient
+
+    x = grpcclient.InferInput(name, list(array.shape), dtype)
+    x.set_data_from_numpy(array)
+    return x
 
 
 def _inputs(grpcclient, prompt: str, sampling: Dict[str, Any], stream: bool, chat: bool, trace: bool):
-    def t(name, arr, dtype):
-        x = grpcclient.InferInput(name, list(arr.shape), dtype)
-        x.set_data_from_numpy(arr)
-        return x
-
+    t = grpc_input
     return [
         t("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
         t("stream", np.array([stream]), "BOOL"),

@@ -185,12 +185,7 @@ class TritonBackend:
         return {k: (v.get("string_value", "") if isinstance(v, dict) else str(v)) for k, v in params.items()}
 
     def _inputs(self, prompt: str, sampling: Dict[str, Any], stream: bool, trace: bool) -> List[Any]:
-        g = self._grpc
-
-        def t(name, arr, dtype):
-            x = g.InferInput(name, list(arr.shape), dtype)
-            x.set_data_from_numpy(arr)
-            return x
+        from .cli import grpc_input as t
 
         return [
             t("text_input", np.array([prompt.encode("utf-8")], dtype=np.object_), "BYTES"),
