@@ -13,8 +13,9 @@ graphs, for
 Each shape is captured once as a CUDA graph (static KV cache of ``C + 8`` positions per row,
 attention over the whole cache with a position mask) and replayed; the figure is the median of
 ``--reps`` replays timed with CUDA events, in seconds.  The output JSON holds, per model, the
-tables ``decode_s``, ``resume_s`` (keys: b) and ``prefill_s`` (keys: P), which
-``python -m scheduler_model`` reads as step-latency points (``--calibration``).
+tables ``decode_s``, ``resume_s`` (keys: b) and ``prefill_s`` (keys: P), and the same points as a
+``table`` in the format of ``python -m scheduler_model calibrate``, so the file can be given to
+``python -m scheduler_model profile/solve --calibration`` (its ``models`` are keyed by role).
 
     python perf/gpu_step_latency.py --models slm=qwen3-0.6b,llm=qwen3-8b -o gpu_latency.json
     python perf/gpu_step_latency.py --check          # CPU: the decoder against transformers' Llama
@@ -205,6 +206,13 @@ def measure(name: str, shape: Shape, batches: List[int], context: int, prefills:
     for p in prefills:
         out["prefill_s"][str(p)] = time_step(model, 1, p, 0, max(3, reps // 4))
         print(f"{name}: prefill {p} tokens {out['prefill_s'][str(p)] * 1e3:7.3f} ms", flush=True)
+    # the calibration format of ``python -m scheduler_model calibrate`` (scheduler_model/calibrate.py)
+    out["table"] = [{"batch_size": b, "decode_latency_s": [out["decode_s"][str(b)]],
+                     "decode_median_s": out["decode_s"][str(b)],
+                     "resume_latency_s": out["resume_s"][str(b)], "resume_extend_tokens": 2 * b,
+                     "prefill": [{"rows": 1, "extend_tokens": p, "latency_s": out["prefill_s"][str(p)]}
+                                 for p in prefills] if i == 0 else []}
+                    for i, b in enumerate(batches)]
     if device == "cuda":
         out["decode_eager_b1_s"] = time_step(model, 1, 1, context, reps, graph=False)
     out["wall_s"] = round(time.perf_counter() - t0, 1)
