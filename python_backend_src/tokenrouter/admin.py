@@ -1,4 +1,4 @@
-"""Operator calls to a model subserver (``stats``, ``configure``, ``calibrate``, ``release``) over Triton gRPC.
+"""Operator calls to a model subserver (``stats``, ``configure``, ``calibrate``) and the router's readiness probe, over Triton gRPC.
 
 The LLM models are decoupled, so each call is one request on a gRPC stream
 answered by one final response whose ``event`` output is JSON.
@@ -19,6 +19,7 @@ Command line (prints JSON)::
 from __future__ import annotations
 
 import json
+import os
 import queue
 from typing import Any, Dict, Optional
 
@@ -145,7 +146,9 @@ def main(argv=None) -> int:
     ap.add_argument("settings", nargs="?", default="",
                     help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'; "
                          "calibrate: optional JSON {\"batch_sizes\": [...], \"context\": C, \"decode_steps\": K}")
-    ap.add_argument("--url", default="localhost:8001", help="Triton gRPC address (default localhost:8001)")
+    default_url = f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT') or 8001}"
+    ap.add_argument("--url", default=default_url,
+                    help=f"Triton gRPC address (default {default_url}: $TOKENROUTER_GRPC_PORT or 8001)")
     ap.add_argument("--models", default="slm,llm", help="comma-separated LLM models (default slm,llm)")
     ap.add_argument("--router", default="token_router", help="ready: the router model (default token_router)")
     ap.add_argument("--allow-degraded", action="store_true",

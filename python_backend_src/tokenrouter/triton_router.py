@@ -674,7 +674,10 @@ class _PeerFailure:
                         self._on_io(lambda m=model: (self._up[m].set(1.0), self._restarts[m].increment(1.0)))
                     continue
                 now = time.monotonic()
-                if now - kicked.get(model, -1e9) >= self.restart_s:
+                # the first reload waits restart_s after the detection: a reload blocks this
+                # stub's responses while the model loads, and the clients of the requests that
+                # failed (and those refused meanwhile) should hear why first
+                if now - kicked.setdefault(model, now) >= self.restart_s:
                     self._restart(model)
                     kicked[model] = time.monotonic()
 
