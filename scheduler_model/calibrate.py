@@ -87,15 +87,9 @@ def apply_calibration(profile: Mapping[str, Any], calib: Mapping[str, Any]) -> D
 
 def load_calibration(path: str) -> Dict[str, Any]:
     """Read a calibration file. Raises ProfileError if unreadable or malformed."""
-    import json
+    from .profile import read_json
 
-    try:
-        with open(path, "r", encoding="utf-8") as fh:
-            calib = json.load(fh)
-    except OSError as exc:
-        raise ProfileError(f"cannot read calibration {path}: {exc}") from None
-    except json.JSONDecodeError as exc:
-        raise ProfileError(f"calibration {path} is not valid JSON: {exc}") from None
+    calib = read_json(path, "calibration")
     if not isinstance(calib, dict) or not isinstance(calib.get("models"), dict):
         raise ProfileError(f"calibration {path} must be an object with a 'models' object")
     for m in calib["models"]:

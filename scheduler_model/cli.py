@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 from .errors import SchedulerModelError
 
@@ -151,6 +151,17 @@ def cmd_solve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emit(obj: Any, output: Optional[str], indent: int) -> int:
+    """Write ``obj`` as JSON to ``output`` (a path), or print it when ``output`` is empty; returns 0."""
+    text = json.dumps(obj, indent=indent)
+    if output:
+        with open(output, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
 def cmd_profile(args: argparse.Namespace) -> int:
     from .profile import profile_from_events, read_events
 
@@ -162,13 +173,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
         calib = load_calibration(args.calibration)
     prof = profile_from_events(read_events(args.events), models, args.concurrency, quantum_s=args.quantum_s,
                                fixed_thresholds=args.fixed_thresholds, calibration=calib)
-    text = json.dumps(prof, indent=2)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return _emit(prof, args.output, indent=2)
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -189,13 +194,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 - server refused / unreachable: report, exit non-zero
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    text = json.dumps(calib, indent=1)
-    if args.output:
-        with open(args.output, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    else:
-        print(text)
-    return 0
+    return _emit(calib, args.output, indent=1)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:

@@ -62,15 +62,20 @@ from .latency import calibration_points, fit_step_latency
 from .system import DEFAULT_QUANTUM_S, System
 
 
-def load_profile(path: str) -> Dict[str, Any]:
-    """Read and validate PROFILE.json; returns the dict. Raises ProfileError."""
+def read_json(path: str, what: str) -> Any:
+    """The JSON value in file ``path``; ``what`` names it in errors. Raises ProfileError."""
     try:
         with open(path, "r", encoding="utf-8") as fh:
-            prof = json.load(fh)
+            return json.load(fh)
     except OSError as exc:
-        raise ProfileError(f"cannot read profile {path}: {exc}") from None
+        raise ProfileError(f"cannot read {what} {path}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise ProfileError(f"profile {path} is not valid JSON: {exc}") from None
+        raise ProfileError(f"{what} {path} is not valid JSON: {exc}") from None
+
+
+def load_profile(path: str) -> Dict[str, Any]:
+    """Read and validate PROFILE.json; returns the dict. Raises ProfileError."""
+    prof = read_json(path, "profile")
     System.from_profile(prof)
     return prof
 
