@@ -49,6 +49,7 @@ from typing import Any, Dict, List
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from . import model_control
 from .engine import EngineConfig, SGLangEngine
 from .lockstep import TurnRing, default_ring_path
 from .peer_channel import PeerServer, dead_routers, process_start_time, remove_advert, write_advert
@@ -328,8 +329,7 @@ class TritonPythonModel:
                             continue
                         logger.error("router %s is down (its stub exited): reloading it", router)
                         try:
-                            pb_utils.unload_model(router)
-                            pb_utils.load_model(model_name=router)
+                            model_control.reload(router, fallback=pb_utils)
                         except Exception as e:  # noqa: BLE001
                             logger.error("reload of router %s failed: %s", router, e)
                             refused.add(router)
@@ -339,7 +339,7 @@ class TritonPythonModel:
     def _cleanup_files(self) -> None:
         """Remove what this model created outside its process: advert, ipc socket, turn files."""
         remove_advert(self.name)
-        self._remove_router_locks()
+        self._remove_reload_locks()
         ep = self.peer_server.endpoint
         if ep.startswith("ipc://"):
             try:
@@ -353,12 +353,13 @@ class TritonPythonModel:
                 pass
 
     @staticmethod
-    def _remove_router_locks() -> None:
-        """Remove the lock files of router reloads (re-created when needed)."""
+    def _remove_reload_locks() -> None:
+        """Remove the lock files of reloads (of routers by models, of models by routers; re-created
+        when needed)."""
         import glob
         import tempfile
 
-        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{os.getppid()}-*.router.json.lock")):
+        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{os.getppid()}-*.json.lock")):
             try:
                 os.unlink(lock)
             except OSError:
@@ -377,7 +378,7 @@ class TritonPythonModel:
     def finalize(self) -> None:
         remove_advert(self.name)  # unloaded on purpose: the router does not restart it
         self._drain(self.drain_timeout_s)
-        self._remove_router_locks()
+        self._remove_reload_locks()
         self._closing.set()
         self._metrics_dirty.set()
         self.peer_server.close()

@@ -82,10 +82,11 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from . import model_control
 from .algorithms import get_algorithm
 from .detok import IncrementalDetokenizer
 from .metrics import RouterMetrics, observe_request
-from .peer_channel import PeerClient, PeerDownError, read_advert, remove_advert, write_advert
+from .peer_channel import PeerClient, PeerDownError, advert_path, read_advert, remove_advert, write_advert
 from .protocol import FinishReason
 from .router_core import drive, encode_prompt, make_header, stop_token_ids
 from .sampling import SamplingParams, parse_sampling_parameters
@@ -674,10 +675,8 @@ class _PeerFailure:
                         self._on_io(lambda m=model: (self._up[m].set(1.0), self._restarts[m].increment(1.0)))
                     continue
                 now = time.monotonic()
-                # the first reload waits restart_s after the detection: a reload blocks this
-                # stub's responses while the model loads, and the clients of the requests that
-                # failed (and those refused meanwhile) should hear why first
-                if now - kicked.setdefault(model, now) >= self.restart_s:
+                # the first reload starts at once; later attempts are restart_s apart
+                if now - kicked.setdefault(model, now - self.restart_s) >= self.restart_s:
                     self._restart(model)
                     kicked[model] = time.monotonic()
 
@@ -700,21 +699,30 @@ class _PeerFailure:
 
         Where the server runs with ``--model-control-mode=explicit`` (as
         ``deploy/serve`` does), the model is unloaded and loaded again through the
-        model-control API, on this thread (a load takes as long as the model's
-        initialisation).  In other modes that API refuses; then a Triton request is
+        model-control API (:func:`tokenrouter.model_control.reload`: over the
+        server's HTTP endpoint, so this stub's responses keep flowing), on this
+        thread (a load takes as long as the model's initialisation).  Several
+        routers of one server may find the same model down: one reloads it (the
+        one holding the lock file next to the model's advert), the others find its
+        new advert.  In other modes that API refuses; then a Triton request is
         sent to the model on the client I/O thread (a dead stub answers it at once
         with "Stub process ... is not healthy"; Python backends that restart an
         unhealthy stub on a request do so then).
         """
+        import fcntl
+
         if read_advert(model, alive_only=False) is None:
             return  # no advert: the model was unloaded on purpose (its finalize removed it), not restarted
         if self._explicit is not False:
             try:
-                if read_advert(model) is not None:
-                    return  # someone (another router) already brought it back
-                if pb_utils.is_model_ready(model):  # Triton still counts the dead stub as ready
-                    pb_utils.unload_model(model)
-                pb_utils.load_model(model_name=model)
+                with open(advert_path(model) + ".lock", "a") as lock:
+                    try:
+                        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except OSError:
+                        return  # another router is reloading it
+                    if read_advert(model) is not None:
+                        return  # someone (another router) already brought it back
+                    model_control.reload(model, fallback=pb_utils)
                 self._explicit = True
                 logger.warning("model %s loaded again (model-control API)", model)
                 return
