@@ -59,6 +59,7 @@ def test_string_numbers_booleans_and_nulls_read_as_vllm_backend(triton_server):
     ({"stop_token_ids": "2"}, "stop_token_ids"),
     ({"logprobs": 5}, "logprobs"),
     ({"best_of": 2}, "best_of"),
+    ({"stop_token_ids": [10**7]}, "not token ids of this tokenizer"),
 ])
 def test_unconvertible_values_and_unknown_keys_rejected_by_name(triton_server, sampling, needle):
     out = generate(triton_server, PROMPT, sampling)
@@ -72,6 +73,20 @@ def test_request_parameters_read_when_sampling_parameters_absent(triton_server):
     assert out["_status"] == 200 and out["num_output_tokens"] == 3, out
     bad = _post(triton_server, {"text_input": PROMPT, "parameters": {"max_tokens": 3, "temprature": 0}})
     assert bad["_status"] == 400 and "temprature" in bad["error"], bad
+    # errors name where the key came from
+    assert "unknown keys in parameters" in bad["error"], bad
+    bad = _post(triton_server, {"text_input": PROMPT, "parameters": {"max_tokens": "ten"}})
+    assert bad["_status"] == 400 and "parameters.max_tokens" in bad["error"] \
+        and "sampling_parameters" not in bad["error"], bad
+    # list-valued keys as a JSON array in a string (request parameters are scalars)
+    base = _post(triton_server, {"text_input": PROMPT, "exclude_input_in_output": True,
+                                 "parameters": {"max_tokens": 12, "temperature": 0, "ignore_eos": True}})
+    text = base["text_output"]
+    stop = text[len(text) // 2:][:3]
+    cut = _post(triton_server, {"text_input": PROMPT, "exclude_input_in_output": True, "parameters": {
+        "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": json.dumps([stop, "\u0000never"])}})
+    assert cut["_status"] == 200 and cut["finish_reason"] == "stop", cut
+    assert stop not in cut["text_output"] and len(cut["text_output"]) < len(text), (cut, text)
     # sampling_parameters wins over the request's parameters
     both = _post(triton_server, {"text_input": PROMPT, "parameters": {"max_tokens": 3},
                                  "sampling_parameters": json.dumps({"max_tokens": 5, "ignore_eos": True})})
@@ -264,6 +279,10 @@ def test_dashboard_metrics_exist_and_agree_with_the_client(triton_server, repo_r
         out["routing_summary"] = json.loads(out["routing_summary"])
         results.append(out)
     after = _scrape(triton_server)
+    kinds = {fam.name: fam.type for fam in text_string_to_metric_families(
+        urllib.request.urlopen(triton_server.metrics_url, timeout=10).read().decode())}
+    for name in ("tokenrouter_extend_tokens", "tokenrouter_decode_tokens", "tokenrouter_handoffs_out"):
+        assert kinds.get(name) == "counter", (name, kinds.get(name))  # prometheus_client drops "_total"
 
     def delta(name, **labels):
         return _total(after, name, **labels) - _total(before, name, **labels)

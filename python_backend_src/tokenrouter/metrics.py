@@ -18,7 +18,9 @@ Counters
     ``tokenrouter:prompt_tokens_total``
     ``tokenrouter:generation_tokens_total``       label ``writer`` = the model that wrote the tokens
     ``tokenrouter:request_success_total``         label ``finished_reason`` (``stop``, ``length``)
-    ``tokenrouter:request_failure_total``         label ``reason`` (``cancelled``, ``error``)
+    ``tokenrouter:request_failure_total``         label ``reason`` (``cancelled``, ``error``: failed while
+                                                  running; ``invalid``: bad input; ``refused``: a model it
+                                                  needs is down or the server is shutting down)
     ``tokenrouter:handoffs_total``                labels ``from``, ``to``
 Gauges
     ``tokenrouter:num_requests_running``          requests being driven through the models
@@ -38,9 +40,11 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["RouterMetrics", "RequestObservation", "observe_request", "METRIC_NAMES",
-           "TTFT_BUCKETS", "TPOT_BUCKETS", "E2E_BUCKETS", "HANDOFF_BUCKETS"]
+           "TTFT_BUCKETS", "TPOT_BUCKETS", "E2E_BUCKETS", "HANDOFF_BUCKETS", "FAILURE_REASONS"]
 
 PREFIX = "tokenrouter:"
+#: ``reason`` label values of ``request_failure_total``
+FAILURE_REASONS = ("cancelled", "error", "invalid", "refused")
 #: vllm_backend's buckets (vLLM's ``Metrics``), seconds
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -162,7 +166,7 @@ class RouterMetrics:
             self._get(short)
         for reason in ("stop", "length"):
             self._get("request_success_total", finished_reason=reason)
-        for reason in ("cancelled", "error"):
+        for reason in FAILURE_REASONS:
             self._get("request_failure_total", reason=reason)
         for m in models:
             self._get("generation_tokens_total", writer=m)
@@ -207,7 +211,7 @@ class RouterMetrics:
                 self._get("handoff_latency_seconds", **{"from": a, "to": b}).observe(lat)
 
     def record_failure(self, reason: str) -> None:
-        """Count a request that ended without a result (``cancelled`` or ``error``)."""
+        """Count a request that ended without a result (one of :data:`FAILURE_REASONS`)."""
         self._get("request_failure_total", reason=reason).increment(1.0)
 
     def set_load(self, running: int, waiting: int) -> None:

@@ -150,7 +150,7 @@ def _load(src: Union[None, str, Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def parse_sampling_parameters(text: Union[None, str, Dict[str, Any]],
-                              default_max_tokens: int = 16) -> SamplingParams:
+                              default_max_tokens: int = 16, source: str = "sampling_parameters") -> SamplingParams:
     """Parse and validate sampling parameters (vllm_backend's value forms).
 
     Args:
@@ -158,14 +158,47 @@ def parse_sampling_parameters(text: Union[None, str, Dict[str, Any]],
             or None/empty for defaults.  Numbers may be numeric strings,
             booleans "true"/"false"; a ``null`` value means the default.
         default_max_tokens: ``max_tokens`` when not given.
+        source: where the keys came from, named in error messages:
+            ``sampling_parameters`` (the input) or ``parameters`` (the request's
+            parameters).  Request parameters are scalars, so there ``stop`` and
+            ``stop_token_ids`` may also be given as a JSON array in a string
+            (``"[\"\\n\", \"END\"]"``, ``"[2, 7]"``).
 
     Raises:
         ValueError: not JSON, not an object, unknown keys, or a value that
             cannot be converted (``"ten"``), is not finite (NaN, ±Infinity) or
-            is out of range (the message names the key).
+            is out of range (the message names the key and ``source``).
     """
+    try:
+        d = _load(text)
+        if source != "sampling_parameters":
+            d = _arrays_from_strings(d)
+        return _parse(d, default_max_tokens)
+    except ValueError as e:
+        if source == "sampling_parameters":
+            raise
+        raise ValueError(str(e).replace("sampling_parameters", source)) from None
+
+
+def _arrays_from_strings(d: Dict[str, Any]) -> Dict[str, Any]:
+    """``stop`` / ``stop_token_ids`` given as a JSON array in a string (request parameters are scalars)."""
+    out = dict(d)
+    for key in ("stop", "stop_token_ids"):
+        v = out.get(key)
+        if isinstance(v, str) and v.lstrip().startswith("["):
+            try:
+                arr = json.loads(v)
+            except json.JSONDecodeError:
+                continue  # a literal stop string that starts with "["
+            if isinstance(arr, list):
+                out[key] = arr
+    if isinstance(out.get("stop_token_ids"), (int, str)) and not isinstance(out.get("stop_token_ids"), bool):
+        out["stop_token_ids"] = [out["stop_token_ids"]]  # one id
+    return out
+
+
+def _parse(d: Dict[str, Any], default_max_tokens: int) -> SamplingParams:
     p = SamplingParams(max_tokens=default_max_tokens)
-    d = _load(text)
     unknown = set(d) - _KEYS
     if unknown:
         raise ValueError(f"unknown keys in sampling_parameters: {sorted(unknown)}; "

@@ -126,8 +126,8 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- metrics
     def _init_metrics(self) -> None:
-        # every family is a gauge set from the loop's counters (set() keeps them exact)
-        G = C = pb_utils.MetricFamily.GAUGE
+        # gauges are set from the loop's snapshot; counters advance by the snapshot's increase
+        G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         fams = {
             "kv_tokens_in_use": ("tokenrouter_kv_tokens_in_use", "KV token slots allocated (running + pending)", G),
             "kv_rows_in_use": ("tokenrouter_kv_rows_in_use", "KV request rows held (running + pending)", G),
@@ -137,15 +137,24 @@ class TritonPythonModel:
             "handoffs_out": ("tokenrouter_handoffs_out_total", "requests handed to a peer", C),
         }
         self._metrics = {}
+        self._counted: Dict[str, float] = {}  # counter key -> value published so far
         self._families = []
         for key, (name, desc, kind) in fams.items():
             fam = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
             self._families.append(fam)
             self._metrics[key] = fam.Metric(labels={"model": self.name})
+            if kind == C:
+                self._counted[key] = 0.0
 
     def _refresh_metrics(self, snap: Dict[str, Any]) -> None:
         for key, m in self._metrics.items():
-            m.set(float(snap[key]))
+            v = float(snap[key])
+            if key in self._counted:
+                if v > self._counted[key]:
+                    m.increment(v - self._counted[key])
+                    self._counted[key] = v
+            else:
+                m.set(v)
 
     def _refresh_metrics_idle(self) -> None:
         # on the loop thread whenever nothing is ready: snapshot the counters (cheap);

@@ -209,6 +209,7 @@ class TritonPythonModel:
             getattr(self.tokenizer, "model_max_length", 8192) if
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
         self.stop_token_ids = stop_token_ids(self.tokenizer)
+        self.vocab_size = len(self.tokenizer)  # ids >= this are no token (added tokens included)
         self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
                                        thread_name_prefix="router")
         self._closing = threading.Event()
@@ -282,12 +283,19 @@ class TritonPythonModel:
             raise ClientError("text_input is empty")
         sp_raw = _bytes_input(request, "sampling_parameters")
         try:
-            src = sp_raw.decode("utf-8") if sp_raw is not None else _request_parameters(request)
-            sp = parse_sampling_parameters(src, self.default_max_tokens)
+            if sp_raw is not None:
+                sp = parse_sampling_parameters(sp_raw.decode("utf-8"), self.default_max_tokens)
+            else:
+                sp = parse_sampling_parameters(_request_parameters(request), self.default_max_tokens,
+                                               source="parameters")
         except UnicodeDecodeError:
             raise ClientError("sampling_parameters is not valid UTF-8") from None
         except ValueError as e:
             raise ClientError(str(e)) from None
+        oov = [t for t in sp.stop_token_ids if t >= self.vocab_size]
+        if oov:
+            raise ClientError(f"stop_token_ids {oov} are not token ids of this tokenizer "
+                              f"(vocabulary size {self.vocab_size})")
         params = dict(self.base_params)
         if sp.routing_threshold is not None:
             if not self.algo_cls.threshold_param:
@@ -318,15 +326,18 @@ class TritonPythonModel:
             arrival = time.monotonic()
             refusal = self.failure.refusal()
             if refusal:
+                self._out.put((None, "metrics", "refused"))
                 self._out.put((request.get_response_sender(), "error", refusal))
                 continue
             try:
                 job = self._parse(request)
             except ClientError as e:
+                self._out.put((None, "metrics", "invalid"))
                 self._out.put((request.get_response_sender(), "error", str(e)))
                 continue
             except Exception as e:  # noqa: BLE001
                 logger.exception("router: bad request")
+                self._out.put((None, "metrics", "invalid"))
                 self._out.put((request.get_response_sender(), "error", f"invalid request: {e}"))
                 continue
             job.arrival_t = arrival
