@@ -341,7 +341,8 @@ class TritonPythonModel:
                             model_control.reload(router, fallback=pb_utils)
                         except Exception as e:  # noqa: BLE001
                             logger.error("reload of router %s failed: %s", router, e)
-                            refused.add(router)
+                            if "not allowed" in str(e):
+                                refused.add(router)  # no explicit model control: do not ask again
                 except OSError:
                     continue
 

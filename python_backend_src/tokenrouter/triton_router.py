@@ -738,11 +738,10 @@ class _PeerFailure:
                 logger.warning("model %s loaded again (model-control API)", model)
                 return
             except Exception as e:  # noqa: BLE001
-                if self._explicit is None:
-                    self._explicit = False
                 logger.warning("model-control reload of %s failed: %s", model, e)
-                if self._explicit:
-                    return
+                if "not allowed" not in str(e):
+                    return  # e.g. the new stub died while loading: the next attempt retries
+                self._explicit = False  # no explicit model control on this server
         self._on_io(lambda: self._poke(model))
 
     @staticmethod
