@@ -153,8 +153,10 @@ if ((dry_run)); then
     exit 0
 fi
 
+if [[ -z ${TOKENROUTER_SLM_PATH:-} || -z ${TOKENROUTER_LLM_PATH:-} ]]; then
+    python "$root/deploy/prepare_weights.py"              # the demo weights; no-op once they exist
+fi
 if [[ ${TOKENROUTER_ENV_READY:-0} != 1 ]]; then
-    python "$root/deploy/prepare_weights.py"              # no-op once the demo weights exist
     bash "$root/deploy/assemble_backends.sh" >/dev/null   # idempotent
 fi
 
