@@ -35,7 +35,8 @@ sglang_cpu_compat.install()
 
 import torch  # noqa: E402
 
-__all__ = ["EngineConfig", "Sequence", "ForwardOutput", "SGLangEngine", "KVCapacityError"]
+__all__ = ["EngineConfig", "Sequence", "ForwardOutput", "SGLangEngine", "KVCapacityError", "resolve_device",
+           "server_args_kwargs"]
 
 
 class KVCapacityError(RuntimeError):
@@ -71,6 +72,19 @@ class EngineConfig:
             cost little more than single ones; linear weights stored twice);
             ``"packed"`` keeps only the packed ones; ``"rowmajor"`` leaves
             SGLang's ``F.linear`` as is.
+        device: ``"auto"`` (CUDA when torch sees a GPU, else the CPU), ``"cuda"``
+            (a GPU is required: :class:`SGLangEngine` raises ``RuntimeError``
+            without one) or ``"cpu"``.
+        gpu_id: CUDA device index the engine runs on (GPU only; Triton's
+            ``model_instance_device_id`` for a ``KIND_GPU`` instance).
+        cuda_graph: capture and replay CUDA graphs for decode steps (GPU only;
+            SGLang's default, on). The CPU never uses them.
+        cuda_graph_max_bs: largest decode batch (rows) captured as a CUDA graph;
+            larger steps run eagerly. 0 leaves SGLang's default.
+        mem_fraction_static: fraction of the GPU's memory SGLang may take for
+            weights and KV pool (GPU only); 0 leaves SGLang's default. Lower it
+            when several models share one GPU (each model is its own process and
+            sizes its pool from the memory still free when it loads).
     """
 
     model_path: str
@@ -85,6 +99,64 @@ class EngineConfig:
     capture_hidden: bool = False
     one_forward_per_step: bool = True
     cpu_linear_weights: str = "dual"
+    device: str = "auto"
+    gpu_id: int = 0
+    cuda_graph: bool = True
+    cuda_graph_max_bs: int = 0
+    mem_fraction_static: float = 0.0
+
+
+def resolve_device(device: str) -> str:
+    """The device an engine configured with ``device`` runs on: ``"cuda"`` or ``"cpu"``.
+
+    Raises:
+        ValueError: ``device`` is not auto, cuda or cpu.
+        RuntimeError: ``device`` is ``"cuda"`` and torch sees no GPU.
+    """
+    if device not in ("auto", "cuda", "cpu"):
+        raise ValueError(f"device must be auto, cuda or cpu, not {device!r}")
+    available = torch.cuda.is_available()
+    if device == "cuda" and not available:
+        raise RuntimeError("device 'cuda' was asked for but torch sees no GPU "
+                           f"(torch {torch.__version__}, CUDA build {torch.version.cuda})")
+    return "cuda" if (device == "cuda" or (device == "auto" and available)) else "cpu"
+
+
+def server_args_kwargs(cfg: EngineConfig, device: str) -> Dict[str, object]:
+    """Keyword arguments of SGLang's ``ServerArgs`` for ``cfg`` on ``device`` ("cuda"/"cpu").
+
+    CPU: ``device="cpu"``, CUDA graphs off, ``torch_native`` attention unless
+    ``cfg.attention_backend`` names another. GPU: SGLang's own choices except
+    where ``cfg`` sets them (attention backend, CUDA graphs off, their largest
+    batch, the memory fraction); ``base_gpu_id`` is ``cfg.gpu_id``.
+    """
+    kwargs: Dict[str, object] = dict(
+        model_path=cfg.model_path,
+        tokenizer_path=cfg.model_path,
+        dtype=cfg.dtype,
+        max_total_tokens=cfg.kv_pool_tokens,
+        max_running_requests=cfg.max_running_requests,
+        load_format=cfg.load_format,
+        random_seed=cfg.random_seed,
+        disable_radix_cache=True,
+        skip_tokenizer_init=False,
+    )
+    if cfg.context_length:
+        kwargs["context_length"] = cfg.context_length
+    if device == "cpu":
+        kwargs.update(device="cpu", disable_cuda_graph=True,
+                      attention_backend=cfg.attention_backend or "torch_native")
+        return kwargs
+    kwargs.update(device="cuda", base_gpu_id=int(cfg.gpu_id))
+    if cfg.attention_backend:
+        kwargs["attention_backend"] = cfg.attention_backend
+    if not cfg.cuda_graph:
+        kwargs["disable_cuda_graph"] = True
+    elif cfg.cuda_graph_max_bs > 0:
+        kwargs["cuda_graph_max_bs_decode"] = int(cfg.cuda_graph_max_bs)
+    if cfg.mem_fraction_static > 0:
+        kwargs["mem_fraction_static"] = float(cfg.mem_fraction_static)
+    return kwargs
 
 
 @dataclass
@@ -171,7 +243,9 @@ class SGLangEngine:
 
     Raises:
         FileNotFoundError: ``config.model_path`` has no ``config.json``.
-        ValueError: ``config.cpu_linear_weights`` is not dual, packed or rowmajor.
+        ValueError: ``config.cpu_linear_weights`` is not dual, packed or rowmajor, or
+            ``config.device`` is not auto, cuda or cpu.
+        RuntimeError: ``config.device`` is ``"cuda"`` and there is no GPU.
     """
 
     def __init__(self, config: EngineConfig):
@@ -202,36 +276,20 @@ class SGLangEngine:
         self._SamplingParams, self._spec_none = SamplingParams, SpeculativeAlgorithm.NONE
 
         cfg = self.config
-        on_gpu = torch.cuda.is_available()
+        self.device = resolve_device(cfg.device)
+        on_gpu = self.device == "cuda"
         if not on_gpu:
             from .sglang_cpu_compat import patch_torch_native_extend
             patch_torch_native_extend()
-        kwargs = dict(
-            model_path=cfg.model_path,
-            tokenizer_path=cfg.model_path,
-            dtype=cfg.dtype,
-            max_total_tokens=cfg.kv_pool_tokens,
-            max_running_requests=cfg.max_running_requests,
-            load_format=cfg.load_format,
-            random_seed=cfg.random_seed,
-            disable_radix_cache=True,
-            skip_tokenizer_init=False,
-        )
-        if cfg.context_length:
-            kwargs["context_length"] = cfg.context_length
-        if not on_gpu:
-            kwargs.update(device="cpu", disable_cuda_graph=True,
-                          attention_backend=cfg.attention_backend or "torch_native")
-        elif cfg.attention_backend:
-            kwargs["attention_backend"] = cfg.attention_backend
-        server_args = ServerArgs(**kwargs)
+        gpu_id = int(cfg.gpu_id) if on_gpu else 0
+        server_args = ServerArgs(**server_args_kwargs(cfg, self.device))
         server_args.resolve_once()
         _set_envs_and_config(server_args)
         port_args = PortArgs.init_new(server_args)
         publish(server_args, role="scheduler",
-                ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=0, pp_rank=0), gpu_id=0))
+                ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=0, pp_rank=0), gpu_id=gpu_id))
         ob._init_process_global_configs()
-        bench_runner, tokenizer = ob.load_model(server_args, port_args, 0, 0)
+        bench_runner, tokenizer = ob.load_model(server_args, port_args, gpu_id, 0)
         self.runner = bench_runner.torch_runner
         self.tokenizer = tokenizer
         self.model_config = self.runner.model_config

@@ -86,7 +86,8 @@ def llm_settings(params: Dict[str, str]):
 
     Returns:
         ``(engine_kwargs, subserver_kwargs)`` — plain dicts (picklable), model_path resolved.
-        ``lockstep_group`` and ``event_log`` are left to the caller.
+        ``lockstep_group``, ``event_log`` and ``gpu_id`` (the Triton instance's device) are
+        left to the caller.
     """
     ctx = param(params, "context_length", 0, int)
     engine = dict(
@@ -100,6 +101,12 @@ def llm_settings(params: Dict[str, str]):
         random_seed=param(params, "random_seed", 0, int),
         capture_hidden=param(params, "capture_hidden", False, bool),
         cpu_linear_weights=param(params, "cpu_linear_weights", "dual"),
+        # GPU hosts (see EngineConfig): where the engine runs and how SGLang drives the GPU
+        device=param(params, "device", "auto"),
+        attention_backend=param(params, "attention_backend", "") or None,
+        cuda_graph=param(params, "cuda_graph", True, bool),
+        cuda_graph_max_bs=param(params, "cuda_graph_max_bs", 0, int),
+        mem_fraction_static=param(params, "mem_fraction_static", 0.0, float),
     )
     sched = dict(
         delayed_batch_size=max(1, param(params, "delayed_batch_size", 1, int)),

@@ -31,7 +31,12 @@ models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}
 is replaced by the model name), ``capture_hidden`` (return the last hidden
 state of every step to the routing algorithm: needed on model 0 by the learned
 routers of CITER, R2R and Co-LLM), ``cpu_linear_weights`` (CPU hosts: ``dual``
-default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.EngineConfig`).  Custom metrics on Triton's metrics endpoint:
+default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.EngineConfig`);
+GPU hosts: ``device`` (``auto`` default, ``cuda``, ``cpu``), ``attention_backend``
+(SGLang's; empty: its default), ``cuda_graph`` (``true`` default), ``cuda_graph_max_bs``,
+``mem_fraction_static`` (see :class:`tokenrouter.engine.EngineConfig`); a ``KIND_GPU``
+instance runs on the GPU Triton gives it (``instance_group { kind: KIND_GPU gpus: [i] }``).
+Custom metrics on Triton's metrics endpoint:
 ``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
 ``tokenrouter_extend_tokens_total``, ``tokenrouter_decode_tokens_total``,
 ``tokenrouter_active_requests`` (label ``model``).
@@ -98,6 +103,8 @@ class TritonPythonModel:
         self.name = args["model_name"]
         p = model_parameters(self.model_config)
         engine_kwargs, sched_kwargs = llm_settings(p)
+        if args.get("model_instance_kind") == "GPU":  # instance_group { kind: KIND_GPU gpus: [i] }
+            engine_kwargs["gpu_id"] = int(args.get("model_instance_device_id") or 0)
         self.engine_config = EngineConfig(**engine_kwargs)
         sched = SubserverConfig(**sched_kwargs)
         self._ring_paths: set = set()  # lock-step turn files this model opened (removed at finalize)
