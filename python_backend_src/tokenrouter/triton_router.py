@@ -197,6 +197,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("token_router must be decoupled")
         p = model_parameters(self.model_config)
         self.models = [m.strip() for m in param(p, "models", "slm,llm").split(",") if m.strip()]
+        online_settings = self._online_settings(p)  # checked before anything is started
         self.algorithm = param(p, "algorithm", "rstitch")
         self.algo_cls = get_algorithm(self.algorithm)
         self.base_params = self.algo_cls.validate_params(
@@ -224,7 +225,7 @@ class TritonPythonModel:
         self._active_lock = threading.Lock()
         self._running = 0  # jobs a worker is driving (the rest of _active wait for one)
         self.metrics = self._init_metrics(args)
-        self.online = self._init_online(p)
+        self.online = self._init_online(online_settings)
         self._io_done = threading.Event()
         self._io = threading.Thread(target=self._client_io, name="router-client-io", daemon=True)
         self._io.start()
@@ -252,18 +253,23 @@ class TritonPythonModel:
             logger.warning("router: metrics unavailable", exc_info=True)
             return None
 
-    def _init_online(self, p: Dict[str, str]):
-        """The online B* adaptation (:mod:`tokenrouter.online_bstar`) if ``online_adaptation`` is on, else None.
+    def _online_settings(self, p: Dict[str, str]):
+        """The ``online_*`` parameters (:class:`tokenrouter.online_bstar.OnlineSettings`).
 
         Raises:
             pb_utils.TritonModelException: a malformed ``online_*`` parameter (the model fails to load).
         """
-        from .online_bstar import OnlineBStar, OnlineSettings
+        from .online_bstar import OnlineSettings
 
         try:
-            settings = OnlineSettings.from_parameters(p, self.models)
+            return OnlineSettings.from_parameters(p, self.models)
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from None
+
+    def _init_online(self, settings):
+        """The online B* adaptation (:mod:`tokenrouter.online_bstar`) if ``online_adaptation`` is on, else None."""
+        from .online_bstar import OnlineBStar
+
         if not settings.enabled:
             return None
 
