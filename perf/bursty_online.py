@@ -142,6 +142,8 @@ def main(argv=None) -> int:
     ap.add_argument("--online-window-s", type=float, default=10.0,
                     help="the adapter's window (default 10 s: shorter than a level, so N follows the steps)")
     ap.add_argument("--online-free-slm", action="store_true", help="search the SLM's threshold too")
+    ap.add_argument("--online-prior-profile", default="",
+                    help="PROFILE.json the adapter uses until its window has data (online_prior_profile)")
     ap.add_argument("--routing-threshold", type=float, default=None,
                     help="routing_threshold of every request (default: the router's configured one)")
     ap.add_argument("--sample-s", type=float, default=2.0, help="seconds between two threshold samples (online)")
@@ -163,7 +165,9 @@ def main(argv=None) -> int:
     work = tempfile.mkdtemp(prefix="bursty-", dir=args.out)
     online_params = {"online_adaptation": "true", "online_interval_s": str(args.online_interval_s),
                      "online_window_s": str(args.online_window_s),
-                     "online_fixed_thresholds": "" if args.online_free_slm else '{"slm": 1}'}
+                     "online_fixed_thresholds": "" if args.online_free_slm else '{"slm": 1}',
+                     "online_prior_profile": os.path.abspath(args.online_prior_profile) if args.online_prior_profile
+                     else ""}
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), args.pair,
                         routers={ONLINE_ROUTER: online_params})
     results: Dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "rows": []}

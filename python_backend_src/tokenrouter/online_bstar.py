@@ -44,7 +44,9 @@ Config parameters of the router (``parameters`` in its config.pbtxt): ``online_a
 (``true``/``false``, default false), ``online_interval_s`` (default 2), ``online_window_s``
 (default 30), ``online_fixed_thresholds`` (JSON, e.g. ``{"slm": 1}``: B_i held fixed),
 ``online_prior_profile`` (path of a PROFILE.json), ``online_quantum_s`` (default: automatic),
-``online_min_gain`` (relative predicted gain needed to switch B, default 0.02).
+``online_min_gain`` (relative predicted gain needed to switch B, default 0.02),
+``online_min_request_steps`` (request-steps a model needs in the window before its P, C and
+L_i are re-estimated, default 50).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ class OnlineSettings:
         prior_profile: PROFILE.json dict used until the window has data, or None.
         quantum_s: δ of the DTMC in seconds, or None (automatic, :func:`auto_quantum_s`).
         min_gain: relative predicted throughput gain needed to switch B (>= 0).
+        min_request_steps: request-steps a model needs in the window to be re-estimated (>= 1).
     """
 
     enabled: bool = False
@@ -92,6 +95,7 @@ class OnlineSettings:
     prior_profile: Optional[Dict[str, Any]] = None
     quantum_s: Optional[float] = None
     min_gain: float = 0.02
+    min_request_steps: int = 50
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str], models: List[str]) -> "OnlineSettings":
@@ -105,12 +109,15 @@ class OnlineSettings:
         s = cls(enabled=param(params, "online_adaptation", False, bool),
                 interval_s=param(params, "online_interval_s", 2.0, float),
                 window_s=param(params, "online_window_s", 30.0, float),
-                min_gain=param(params, "online_min_gain", 0.02, float))
+                min_gain=param(params, "online_min_gain", 0.02, float),
+                min_request_steps=param(params, "online_min_request_steps", 50, int))
         for key, v in (("online_interval_s", s.interval_s), ("online_window_s", s.window_s)):
             if not (math.isfinite(v) and v > 0):
                 raise ValueError(f"config parameter {key!r} must be a number of seconds > 0, got {v}")
         if not (math.isfinite(s.min_gain) and s.min_gain >= 0):
             raise ValueError(f"config parameter 'online_min_gain' must be >= 0, got {s.min_gain}")
+        if s.min_request_steps < 1:
+            raise ValueError(f"config parameter 'online_min_request_steps' must be >= 1, got {s.min_request_steps}")
         q = param(params, "online_quantum_s", "auto")
         if str(q).strip().lower() != "auto":
             try:
@@ -217,6 +224,7 @@ class OnlineBStar:
                                      quantum_s=settings.quantum_s or 1e-4,
                                      fixed_thresholds=settings.fixed_thresholds or None,
                                      prior_profile=settings.prior_profile, min_gain=settings.min_gain,
+                                     min_request_steps=settings.min_request_steps,
                                      min_interval_s=0.5 * settings.interval_s)
         self.cursors: Dict[str, int] = {}
         self.current: Dict[str, int] = {}  # each model's B as last read or applied
