@@ -30,6 +30,10 @@ def _setup():
         os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "python_backend_src")
     if src not in sys.path:
         sys.path.insert(0, src)
+    # scheduler_model (the B* solver the router's online adaptation uses) sits next to it
+    root = os.environ.get("TOKENROUTER_ROOT") or os.path.dirname(src)
+    if os.path.isdir(os.path.join(root, "scheduler_model")) and root not in sys.path:
+        sys.path.append(root)
     from tokenrouter import sglang_cpu_compat
 
     sglang_cpu_compat.install()  # before transformers/sglang are imported; no-op with a GPU

@@ -1,4 +1,4 @@
-"""Operator calls to a model subserver (``stats``, ``configure``, ``calibrate``) and the router's readiness probe, over Triton gRPC.
+"""Operator calls to a model subserver (``stats``, ``configure``, ``calibrate``, ``events``) and the router's readiness probe, over Triton gRPC.
 
 The LLM models are decoupled, so each call is one request on a gRPC stream
 answered by one final response whose ``event`` output is JSON.
@@ -9,6 +9,7 @@ Command line (prints JSON)::
     python -m tokenrouter.admin stats --models llm --url host:8001
     python -m tokenrouter.admin configure --models llm '{"delayed_batch_size": 2}'
     python -m tokenrouter.admin calibrate --models slm,llm '{"batch_sizes": [1, 2, 4, 8], "context": 256}'
+    python -m tokenrouter.admin events --models llm '{"since": 0, "limit": 100}'   # recent routing events
 
 (``python -m scheduler_model calibrate`` does the same and writes the file its ``profile`` and
 ``solve`` take with ``--calibration``.)
@@ -25,7 +26,7 @@ from typing import Any, Dict, Optional
 
 import numpy as np
 
-__all__ = ["model_op", "model_stats", "configure", "calibrate", "router_ready", "main"]
+__all__ = ["model_op", "model_stats", "configure", "calibrate", "events", "router_ready", "main"]
 
 
 def model_op(url: str, model: str, op: str, payload: Optional[Dict[str, Any]] = None,
@@ -83,6 +84,24 @@ def calibrate(url: str, model: str, batch_sizes=(1, 2, 4, 8), context: int = 256
     return model_op(url, model, "calibrate", {"batch_sizes": [int(b) for b in batch_sizes],
                                                "context": int(context), "decode_steps": int(decode_steps)},
                     timeout_s=timeout_s)
+def events(url: str, model: str, since: int = 0, limit: Optional[int] = None) -> Dict[str, Any]:
+    """The model's routing events after cursor ``since`` (its ``events`` op; what the router's
+    online B* adaptation reads).
+
+    Returns:
+        ``{"kind": "events", "model", "events": [...], "cursor" (the next ``since``), "dropped",
+        "reset", "delayed_batch_size", "delayed_batch_max_wait_us"}``
+        (:meth:`tokenrouter.event_ring.EventRing.read`).
+
+    Raises:
+        RuntimeError: bad arguments (``since`` < 0, ``limit`` outside 1..5000).
+    """
+    req: Dict[str, Any] = {"since": since}
+    if limit is not None:
+        req["limit"] = limit
+    return model_op(url, model, "events", req)
+
+
 def router_ready(url: str, router: str = "token_router", timeout_s: float = 30.0,
                  allow_degraded: bool = False) -> Dict[str, Any]:
     """Readiness of the whole routed path: one 1-token request through ``router``.
@@ -142,10 +161,11 @@ def main(argv=None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.admin", description=__doc__.split("\n\n")[0])
-    ap.add_argument("op", choices=["stats", "configure", "calibrate", "ready"])
+    ap.add_argument("op", choices=["stats", "configure", "calibrate", "events", "ready"])
     ap.add_argument("settings", nargs="?", default="",
                     help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'; "
-                         "calibrate: optional JSON {\"batch_sizes\": [...], \"context\": C, \"decode_steps\": K}")
+                         "calibrate: optional JSON {\"batch_sizes\": [...], \"context\": C, \"decode_steps\": K}; "
+                         "events: optional JSON {\"since\": cursor, \"limit\": n}")
     default_url = f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT') or 8001}"
     ap.add_argument("--url", default=default_url,
                     help=f"Triton gRPC address (default {default_url}: $TOKENROUTER_GRPC_PORT or 8001)")
@@ -167,6 +187,13 @@ def main(argv=None) -> int:
             ap.error(f"calibrate takes a JSON object: {e}")
         if not isinstance(settings, dict) or set(settings) - {"batch_sizes", "context", "decode_steps"}:
             ap.error("calibrate takes a JSON object with batch_sizes, context, decode_steps")
+    if a.op == "events":
+        try:
+            settings = json.loads(a.settings or "{}")
+        except json.JSONDecodeError as e:
+            ap.error(f"events takes a JSON object: {e}")
+        if not isinstance(settings, dict) or set(settings) - {"since", "limit"}:
+            ap.error("events takes a JSON object with since, limit")
     if a.op == "configure":
         try:
             settings = json.loads(a.settings)
@@ -181,6 +208,8 @@ def main(argv=None) -> int:
                 out[m] = model_stats(a.url, m)
             elif a.op == "calibrate":
                 out[m] = calibrate(a.url, m, **settings)
+            elif a.op == "events":
+                out[m] = events(a.url, m, **settings)
             else:
                 out[m] = configure(a.url, m, **settings)
     except Exception as e:  # noqa: BLE001 - a CLI: report and exit non-zero

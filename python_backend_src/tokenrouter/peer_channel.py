@@ -9,7 +9,7 @@ a :class:`PeerClient` — the *transport* of :func:`tokenrouter.router_core.driv
 Wire format (multipart messages, two frames each):
 
 * command, router → model: ``[meta JSON, tokens]`` with meta
-  ``{"op": "run"|"release"|"stats"|"configure", "seg": int, "reply": endpoint,
+  ``{"op": "run"|"release"|"stats"|"configure"|"events"|"ping", "seg": int, "reply": endpoint,
   "rid": str, "header": PeerReq header JSON | "settings": {...}}`` and tokens the
   int64 little-endian token suffix the model has not seen (``run`` only);
 * response, model → router: ``[meta JSON, tokens]`` with meta
@@ -216,23 +216,29 @@ class PeerServer:
 
     ``run`` submits the PeerReq with a sink that streams the segment's
     responses to the command's ``reply`` endpoint; ``release`` frees the
-    request's state (fire and forget); ``stats`` and ``configure`` answer one
-    ``result`` (``configure`` takes the keyword arguments of
+    request's state (fire and forget); ``stats``, ``configure`` and ``events``
+    answer one ``result`` (``configure`` takes the keyword arguments of
     ``Subserver.reconfigure`` or, when ``configure_fn`` is given, whatever it
-    accepts).
+    accepts; ``events`` is answered by ``events_fn``).
 
     Args:
         subserver: the model's subserver.
         endpoint: ZeroMQ endpoint to bind (default: a fresh ``ipc://`` path).
         configure_fn: optional callable(settings dict) applying a ``configure`` command.
+        events_fn: optional callable(settings) → result dict answering an ``events``
+            command (the model's recent routing events, see
+            :class:`tokenrouter.event_ring.EventRing`); without it ``events`` is an
+            unknown op.
 
     Raises:
         zmq.ZMQError: the endpoint cannot be bound.
     """
 
     def __init__(self, subserver, endpoint: Optional[str] = None,
-                 configure_fn: Optional[Callable[[Dict[str, Any]], None]] = None):
+                 configure_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
+                 events_fn: Optional[Callable[[Any], Dict[str, Any]]] = None):
         self.subserver = subserver
+        self._events = events_fn
         self.endpoint = endpoint or default_endpoint(subserver.name)
         self._configure = configure_fn or (lambda s: subserver.reconfigure(**s))
         self._ctx = zmq.Context.instance()
@@ -301,8 +307,11 @@ class PeerServer:
             elif op == "configure":
                 self._configure(meta.get("settings") or {})
                 self._send(reply, {"seg": seg, "kind": "result", "result": {}}, [])
+            elif op == "events" and self._events is not None:
+                self._send(reply, {"seg": seg, "kind": "result", "result": self._events(meta.get("settings"))}, [])
             else:
-                raise ValueError(f"unknown op {op!r}; expected run, release, stats or configure")
+                ops = "run, release, stats, configure" + (", events" if self._events is not None else "")
+                raise ValueError(f"unknown op {op!r}; expected {ops} or ping")
         except Exception as e:  # noqa: BLE001 - answer this command only
             self._send(reply, {"seg": seg, "kind": "error", "message": f"model {self.subserver.name}: {e}"}, [])
 
@@ -576,7 +585,7 @@ class PeerClient:
 
     def call(self, model: str, op: str, settings: Optional[Dict[str, Any]] = None,
              timeout_s: float = 60.0) -> Dict[str, Any]:
-        """``stats``, ``configure`` or ``ping`` on ``model``; returns the result dict.
+        """``stats``, ``configure``, ``events`` or ``ping`` on ``model``; returns the result dict.
 
         Raises:
             RuntimeError: the model reported an error.

@@ -201,7 +201,8 @@ class Subserver:
         handoffs_out, finished, cancelled, errors and the step-time breakdown
         in seconds: step_time_s = forward_s (model forward incl. batch
         preparation) + route_s (sampling, entropy, route/send decisions) +
-        send_s (streaming responses to the router).
+        send_s (streaming responses to the router); the delayed-batching settings
+        delayed_batch_size (B_i) and delayed_batch_max_wait_us.
         """
         def snap():
             active = len(self.requests)
@@ -228,6 +229,7 @@ class Subserver:
                 "resume_steps": self.counters["resume_steps"],
                 "resume_step_forward_s": self.counters["resume_step_forward_us"] / 1e6,
                 "delayed_batch_size": self.config.delayed_batch_size,
+                "delayed_batch_max_wait_us": int(round(self.config.max_wait_s * 1e6)),
             }
         return self.call(snap)
 

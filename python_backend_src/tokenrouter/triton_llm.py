@@ -11,7 +11,9 @@ Inputs
     ``request_id`` BYTES [1]   request id
     ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint``, ``configure``
                                (``peer_req`` then holds scheduling settings to change
-                               at run time, e.g. {"delayed_batch_size": B}: see _configure)
+                               at run time, e.g. {"delayed_batch_size": B}: see _configure),
+                               ``events`` (``peer_req``: {"since": cursor, "limit": n}; the
+                               routing events after the cursor: see _events)
                                or ``calibrate`` (``peer_req``: {"batch_sizes", "context",
                                "decode_steps"}; times synthetic steps on an idle model:
                                see _start_calibration)
@@ -56,6 +58,7 @@ import triton_python_backend_utils as pb_utils
 
 from . import model_control
 from .engine import EngineConfig, SGLangEngine
+from .event_ring import EventRing
 from .lockstep import TurnRing, default_ring_path
 from .peer_channel import PeerServer, dead_routers, process_start_time, remove_advert, write_advert
 from .protocol import PeerReq
@@ -118,14 +121,15 @@ class TritonPythonModel:
         logger.info("model %s loaded in %.1fs", self.name, time.time() - t0)
         event_log = param(p, "event_log", "")
         self._event_log = _EventLog(event_log.replace("{model}", self.name)) if event_log else None
+        self._events_ring = EventRing()  # recent routing events for op "events" (online B*)
         self._init_metrics()
         self._metrics_snapshot = None
         self._metrics_dirty = threading.Event()
         self._closing = threading.Event()
-        self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._event_log,
+        self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._on_event,
                                    on_idle=self._refresh_metrics_idle)
         self.peer_server = PeerServer(self.subserver, param(p, "peer_endpoint", "") or None,
-                                      configure_fn=self._configure)
+                                      configure_fn=self._configure, events_fn=self._events)
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
         self._start_liveness()
         self._metrics_thread = threading.Thread(target=self._metrics_loop, name=f"metrics-{self.name}", daemon=True)
@@ -209,6 +213,31 @@ class TritonPythonModel:
                 raise ValueError(f"unknown configure key {k!r}; allowed: {sorted([*conv, 'lockstep_group'])}")
         self.subserver.reconfigure(**changes)
 
+    def _on_event(self, event: Dict[str, Any]) -> None:
+        """The Subserver's event sink: keep the event for op ``events``; log it if configured."""
+        self._events_ring(event)
+        if self._event_log is not None:
+            self._event_log(event)
+
+    def _events(self, req: Any) -> Dict[str, Any]:
+        """Op ``events``: routing events after a cursor, and the model's current batching settings.
+
+        ``req`` is ``{"since": cursor, "limit": n}`` (both optional; see
+        :meth:`tokenrouter.event_ring.EventRing.answer`).
+
+        Returns:
+            ``{"model", "events": [step/handoff events, oldest first; t = time.time() in s],
+            "cursor" (the next ``since``), "dropped", "reset", "delayed_batch_size",
+            "delayed_batch_max_wait_us"}``.
+
+        Raises:
+            ValueError: malformed ``req`` (answered as that request's error).
+        """
+        out = self._events_ring.answer(req)
+        cfg = self.subserver.config
+        return {"model": self.name, **out, "delayed_batch_size": int(cfg.delayed_batch_size),
+                "delayed_batch_max_wait_us": int(round(cfg.max_wait_s * 1e6))}
+
     def _ring(self, group: str):
         members = [m.strip() for m in group.split(",") if m.strip()]
         if self.name not in members:
@@ -224,7 +253,7 @@ class TritonPythonModel:
             try:
                 rid = _str_input(request, "request_id")
                 op = _str_input(request, "op", "run") or "run"
-                if not rid and op not in ("stats", "endpoint", "configure", "calibrate"):
+                if not rid and op not in ("stats", "endpoint", "configure", "calibrate", "events"):
                     raise ValueError("request_id is required")
                 if op == "release":
                     self.subserver.release(rid)
@@ -232,6 +261,9 @@ class TritonPythonModel:
                 elif op == "configure":
                     self._configure(json.loads(_str_input(request, "peer_req", "{}") or "{}"))
                     sender.send(self._response([], {"kind": "configured"}), flags=_FINAL)
+                elif op == "events":
+                    req = json.loads(_str_input(request, "peer_req", "{}") or "{}")
+                    sender.send(self._response([], {"kind": "events", **self._events(req)}), flags=_FINAL)
                 elif op == "calibrate":
                     self._start_calibration(json.loads(_str_input(request, "peer_req", "{}") or "{}"), sender)
                 elif op == "stats":
@@ -249,8 +281,8 @@ class TritonPythonModel:
                         pr.rid = rid
                     self.subserver.submit(pr, self._make_sink(sender))
                 else:
-                    raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure, calibrate "
-                                     "or endpoint")
+                    raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure, calibrate, "
+                                     "events or endpoint")
             except Exception as e:  # noqa: BLE001 - answer this request only
                 sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
         return None

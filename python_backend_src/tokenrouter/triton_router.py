@@ -51,7 +51,8 @@ the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 ``peer_timeout_s`` (a model silent this long fails the request; 0 = never),
 ``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
 it needs is down; see :class:`_PeerFailure`), ``peer_restart_s`` (seconds between
-two attempts to get a dead model restarted).
+two attempts to get a dead model restarted), ``online_adaptation`` and the other
+``online_*`` parameters (B* adapted while serving: :mod:`tokenrouter.online_bstar`).
 
 Models are reached over the ZeroMQ channel of :mod:`tokenrouter.peer_channel`;
 each model's endpoint is asked once with a BLS call (op ``endpoint``).
@@ -196,6 +197,7 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException("token_router must be decoupled")
         p = model_parameters(self.model_config)
         self.models = [m.strip() for m in param(p, "models", "slm,llm").split(",") if m.strip()]
+        online_settings = self._online_settings(p)  # checked before anything is started
         self.algorithm = param(p, "algorithm", "rstitch")
         self.algo_cls = get_algorithm(self.algorithm)
         self.base_params = self.algo_cls.validate_params(
@@ -223,10 +225,13 @@ class TritonPythonModel:
         self._active_lock = threading.Lock()
         self._running = 0  # jobs a worker is driving (the rest of _active wait for one)
         self.metrics = self._init_metrics(args)
+        self.online = self._init_online(online_settings)
         self._io_done = threading.Event()
         self._io = threading.Thread(target=self._client_io, name="router-client-io", daemon=True)
         self._io.start()
         self.failure.start()
+        if self.online is not None:
+            self.online.start()
         from . import stub_guard  # no orphan if tritonserver goes away without finalising this stub
 
         self._name = str(self.model_config.get("name", "token_router"))
@@ -247,6 +252,33 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001 - metrics must never stop serving
             logger.warning("router: metrics unavailable", exc_info=True)
             return None
+
+    def _online_settings(self, p: Dict[str, str]):
+        """The ``online_*`` parameters (:class:`tokenrouter.online_bstar.OnlineSettings`).
+
+        Raises:
+            pb_utils.TritonModelException: a malformed ``online_*`` parameter (the model fails to load).
+        """
+        from .online_bstar import OnlineSettings
+
+        try:
+            return OnlineSettings.from_parameters(p, self.models)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+
+    def _init_online(self, settings):
+        """The online B* adaptation (:mod:`tokenrouter.online_bstar`) if ``online_adaptation`` is on, else None."""
+        from .online_bstar import OnlineBStar
+
+        if not settings.enabled:
+            return None
+
+        def live() -> int:
+            with self._active_lock:
+                return self._running
+
+        return OnlineBStar(settings, self.models, str(self.model_config.get("name", "token_router")), self.peers,
+                           live, lambda fn: self._out.put((None, "call", fn)), pb=pb_utils)
 
     def _io_metrics(self, payload) -> None:
         """Record one request's metrics (client I/O thread only: every update is an IPC)."""
@@ -529,6 +561,8 @@ class TritonPythonModel:
         """
         remove_advert(self._name, kind="router")  # unloaded on purpose: not to be restarted
         self._closing.set()
+        if self.online is not None:
+            self.online.stop()  # before the channel closes; frees its metrics on the I/O thread
         self.failure.stop()
         self.peers.fail_all("server is shutting down")
         self.pool.shutdown(wait=False, cancel_futures=True)
