@@ -175,7 +175,7 @@ def test_render_router_with_remote_replicas(tmp_path):
     s = deployment.render(SRC_REPO, out, models=["slm", "token_router"], remote=remote, keys_dir="/keys",
                           model_paths={"slm": "/models/slm"})
     assert s["models"] == ["slm", "token_router"]
-    assert sorted(os.listdir(out)) == ["slm", "token_router"]
+    assert sorted(d for d in os.listdir(out) if not d.startswith(".")) == ["slm", "token_router"]
     router = _params(read_config(os.path.join(out, "token_router", "config.pbtxt")))
     P, K = deployment.PARAM, deployment.KEY_FILES
     assert json.loads(router[P["remote_models"]]) == remote
@@ -318,6 +318,29 @@ def test_entrypoint_dry_run_prints_the_server_command_and_repository(tmp_path):
     assert loads == ["llm", "slm", "token_router"]  # models before the router
     assert set(_dry_run_configs(r.stdout)) == set(loads)
     assert "tokenrouter.openai_frontend" in r.stdout
+    assert not out.exists()  # a dry run writes nothing a real run uses
+
+
+def test_render_never_replaces_what_it_did_not_write(tmp_path):
+    from tokenrouter.deployment import DeploymentError, render
+
+    src = tmp_path / "src"
+    shutil.copytree(SRC_REPO, src)
+    keep = tmp_path / "other" / "important.txt"
+    keep.parent.mkdir()
+    keep.write_text("x")
+    for out in (src, src / "inner", tmp_path / "other", tmp_path):
+        with pytest.raises(DeploymentError):
+            render(str(src), str(out))
+    assert keep.read_text() == "x" and (src / "llm" / "config.pbtxt").is_file()
+    # a failed check writes nothing; a render replaces only its own earlier output
+    out = tmp_path / "run"
+    with pytest.raises(DeploymentError, match="--keys"):
+        render(str(src), str(out), models=["llm"], peer_port=7000)
+    assert not out.exists()
+    render(str(src), str(out))
+    render(str(src), str(out), models=["llm"])
+    assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == ["llm"]
 
 
 def test_entrypoint_refuses_tcp_without_keys(tmp_path):
@@ -489,7 +512,10 @@ def test_probes_cover_the_peers(rendered):
             assert op == "ready"
         else:  # an LLM: a call answered by the model's own process
             assert op == "stats" and _arg(ready, "--models") == "llm"
-        assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+        if w["kind"] == "Deployment":  # its router reloads a dead local model
+            assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+        else:  # no router in an LLM-only server: a model that stays dead restarts the pod
+            assert c["livenessProbe"]["exec"]["command"] == ready
         assert c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
         assert c["readinessProbe"]["timeoutSeconds"] < c["readinessProbe"]["periodSeconds"]
 
@@ -530,6 +556,10 @@ def test_pod_arguments_render_the_repository_each_pod_serves(tmp_path, overlay, 
         if m:
             listens["openai"] = int(m.group(1))
         assert _ports(w) == listens, f"{overlay} {w['metadata']['name']}: declares {_ports(w)}, listens on {listens}"
+        assert not repo.exists()  # a dry run only prints; write what it printed, to read it back
+        for m, text in _dry_run_configs(r.stdout).items():
+            (repo / m).mkdir(parents=True)
+            (repo / m / "config.pbtxt").write_text(text + "\n")
         hosted = sorted(os.listdir(repo))
         if w["kind"] == "Deployment":
             assert hosted == ["slm", "token_router"]

@@ -193,6 +193,11 @@ def test_errors_are_openai_format(client, frontend):
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=10**6, stream=True)
     assert "context length" in _error(e.value)["message"]
 
+    # checked by the router (a token id beyond the vocabulary): a 400 naming the field, not a 500
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"stop_token_ids": [10**7]})
+    assert _error(e.value)["param"] == "stop_token_ids", _error(e.value)
+
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
     assert _error(e.value)["param"] == "messages[0].role"

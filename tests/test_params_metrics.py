@@ -75,6 +75,10 @@ def test_request_parameters_read_when_sampling_parameters_absent(triton_server):
     assert bad["_status"] == 400 and "temprature" in bad["error"], bad
     # errors name where the key came from
     assert "unknown keys in parameters" in bad["error"], bad
+    for params, needle in (({"routing_threshold": 1.5}, "parameters.routing_threshold"),
+                           ({"stop_token_ids": "[100000000]"}, "parameters.stop_token_ids")):
+        bad = _post(triton_server, {"text_input": PROMPT, "parameters": {"max_tokens": 3, **params}})
+        assert bad["_status"] == 400 and needle in bad["error"] and "sampling_parameters" not in bad["error"], bad
     bad = _post(triton_server, {"text_input": PROMPT, "parameters": {"max_tokens": "ten"}})
     assert bad["_status"] == 400 and "parameters.max_tokens" in bad["error"] \
         and "sampling_parameters" not in bad["error"], bad

@@ -109,7 +109,13 @@ fi
 : "${TRITONSERVER:=tritonserver}"
 : "${TRITON_BACKEND_DIR:?TRITON_BACKEND_DIR is not set (deploy/env.sh sets it)}"
 
-render_args=(render --src "$root/model_repository" --out "$repo_out" --target "$target" --pair "$pair"
+render_out=$repo_out
+if ((dry_run)); then
+    # a dry run writes nothing a real run uses: it renders into a folder of its own
+    render_out=$(mktemp -d "${TMPDIR:-/tmp}/tokenrouter-dry-run.XXXXXX")
+    trap 'rm -rf "$render_out"' EXIT
+fi
+render_args=(render --src "$root/model_repository" --out "$render_out" --target "$target" --pair "$pair"
     --models "$models" --peer-port "$peer_port")
 for r in ${remotes[@]+"${remotes[@]}"}; do render_args+=(--remote "$r"); done
 [[ -n $remote_file ]] && render_args+=(--remote-models-file "$remote_file")
@@ -145,10 +151,10 @@ if ((dry_run)); then
     if ((has_router && openai_port > 0)); then
         echo "# then, once ready: python -m tokenrouter.openai_frontend --triton-url 127.0.0.1:$grpc_port --port $openai_port"
     fi
-    echo "# rendered repository: $repo_out"
+    echo "# rendered repository (a real run writes it to $repo_out):"
     for m in "${hosted[@]}"; do
         echo "# ---- $m/config.pbtxt"
-        cat "$repo_out/$m/config.pbtxt"
+        cat "$render_out/$m/config.pbtxt"
     done
     exit 0
 fi

@@ -377,7 +377,7 @@ class OnlineBStar:
             changed.append(m)
         if changed:
             self.changes += 1
-            logger.info("online B*: B = %s (%s; predicted %.1f tokens/s at N = %d; applied to %s)",
+            logger.warning("online B*: B = %s (%s; predicted %.1f tokens/s at N = %d; applied to %s)",
                         B, rec.reason, rec.throughput_tokens_per_s, rec.concurrency, ", ".join(changed))
         if changed:
             self._io(lambda mt: mt.changes.increment(1.0))

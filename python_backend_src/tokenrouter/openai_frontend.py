@@ -106,7 +106,7 @@ class _ClientGone(Exception):
 
 #: substrings of the router's messages for bad input (its ClientError texts); anything
 #: else from the router is a server-side failure
-_CLIENT_ERROR_HINTS = ("context length", "sampling_parameters", "text_input", "unknown keys",
+_CLIENT_ERROR_HINTS = ("context length", "parameters.", "sampling_parameters", "text_input", "unknown keys",
                        "has no threshold", "routing_threshold")
 
 
@@ -114,7 +114,7 @@ def _backend_error(msg: str) -> OpenAIError:
     """Map an error message from Triton / ``token_router`` to an :class:`OpenAIError`."""
     low = msg.lower()
     if any(h in low for h in _CLIENT_ERROR_HINTS):
-        m = re.search(r"sampling_parameters\.(\w+)", msg) or re.search(r"unknown keys[^\[]*\['(\w+)'", msg)
+        m = re.search(r"parameters\.(\w+)", msg) or re.search(r"unknown keys[^\[]*\['(\w+)'", msg)
         if m:
             param = m.group(1)
         elif "context length" in low:

@@ -188,8 +188,11 @@ def _arrays_from_strings(d: Dict[str, Any]) -> Dict[str, Any]:
         if isinstance(v, str) and v.lstrip().startswith("["):
             try:
                 arr = json.loads(v)
-            except json.JSONDecodeError:
-                continue  # a literal stop string that starts with "["
+            except json.JSONDecodeError as e:
+                if key == "stop_token_ids":
+                    raise ValueError(f"sampling_parameters.stop_token_ids: {v!r} is not a JSON array of "
+                                     f"token ids ({e})") from None
+                continue  # a literal stop string that starts with "[" (e.g. "[END"), used as is
             if isinstance(arr, list):
                 out[key] = arr
     if isinstance(out.get("stop_token_ids"), (int, str)) and not isinstance(out.get("stop_token_ids"), bool):

@@ -314,19 +314,20 @@ class TritonPythonModel:
         if not prompt.strip():
             raise ClientError("text_input is empty")
         sp_raw = _bytes_input(request, "sampling_parameters")
+        source = "sampling_parameters" if sp_raw is not None else "parameters"  # named in errors
         try:
             if sp_raw is not None:
                 sp = parse_sampling_parameters(sp_raw.decode("utf-8"), self.default_max_tokens)
             else:
                 sp = parse_sampling_parameters(_request_parameters(request), self.default_max_tokens,
-                                               source="parameters")
+                                               source=source)
         except UnicodeDecodeError:
             raise ClientError("sampling_parameters is not valid UTF-8") from None
         except ValueError as e:
             raise ClientError(str(e)) from None
         oov = [t for t in sp.stop_token_ids if t >= self.vocab_size]
         if oov:
-            raise ClientError(f"stop_token_ids {oov} are not token ids of this tokenizer "
+            raise ClientError(f"{source}.stop_token_ids {oov} are not token ids of this tokenizer "
                               f"(vocabulary size {self.vocab_size})")
         params = dict(self.base_params)
         if sp.routing_threshold is not None:
@@ -336,7 +337,7 @@ class TritonPythonModel:
                 params = self.algo_cls.validate_params(
                     {**params, self.algo_cls.threshold_param: sp.routing_threshold}, len(self.models))
             except ValueError as e:
-                raise ClientError(f"sampling_parameters.routing_threshold: {e}") from None
+                raise ClientError(f"{source}.routing_threshold: {e}") from None
         ids = encode_prompt(self.tokenizer, prompt, _bool_input(request, "apply_chat_template", False))
         if len(ids) >= self.context_length:
             raise ClientError(f"prompt has {len(ids)} tokens; the context length is {self.context_length}")
