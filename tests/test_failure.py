@@ -1,8 +1,8 @@
 """A model that dies must not take routed requests down with it (real tritonserver).
 
-One server for the module, serving the repository's models plus two more routers,
-``token_router_fallback`` (``on_peer_failure: fallback``) and ``token_router_triton``
-(``transport: triton``), beside ``token_router`` (``fail``, the default).  Each test kills a Triton Python stub of THIS server with
+One server for the module, serving the repository's models plus a second router,
+``token_router_fallback`` (``on_peer_failure: fallback``), beside ``token_router``
+(``fail``, the default).  Each test kills a Triton Python stub of THIS server with
 SIGKILL (as an out-of-memory kill would) — the stub is found in the process list
 by its instance name in argv and this server's pid as its parent — and checks:
 in-flight requests end at once with an error naming the model (fail) or go on on
@@ -86,14 +86,7 @@ def server(tmp_path_factory):
     cfg = re.sub(r'parameters \{ key: "on_peer_failure"[^\n]*\n', "", cfg)
     cfg += '\nparameters { key: "on_peer_failure" value { string_value: "fallback" } }\n'
     (fb / "config.pbtxt").write_text(cfg)
-    tt = work / "token_router_triton"  # the same failure handling over the Triton transport
-    (tt / "1").mkdir(parents=True)
-    cfg = (REPO_ROOT / "model_repository" / "token_router" / "config.pbtxt").read_text()
-    cfg = re.sub(r'name:\s*"token_router"', 'name: "token_router_triton"', cfg)
-    cfg += '\nparameters { key: "transport" value { string_value: "triton" } }\n'
-    (tt / "config.pbtxt").write_text(cfg)
-    s = TritonServer(REPO_ROOT / "model_repository", models={"token_router_fallback": fb, "token_router_triton": tt},
-                     copy=True,
+    s = TritonServer(REPO_ROOT / "model_repository", models={"token_router_fallback": fb}, copy=True,
                      ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
                      log_path=work / "tritonserver.log",
                      extra_args=["--model-control-mode=explicit", "--load-model=*"])
@@ -230,21 +223,6 @@ def test_llm_killed_fallback_mode(server):
     m = re.search(r'^tokenrouter_degraded_requests_total\{model="token_router_fallback"\}\s+(\S+)$', text, re.M)
     assert m and float(m.group(1)) >= 1, text[-2000:]
     _wait_llm_back(server, "token_router_fallback", t_kill)
-    _kv_zero(server)
-
-
-def test_llm_killed_triton_transport(server):
-    """``transport: triton``: a request waiting on a killed model's BLS stream ends at once with the
-    reason (the advert's pid watch), then the model comes back for that router too."""
-    s = _Stream(server, "token_router_triton", ALL_LLM)
-    assert s.first.wait(120) and s.error is None, s.error
-    t_kill = time.monotonic()
-    pid = _kill(server, "llm_0_0")
-    s.wait(60)  # far below peer_timeout_s (600 s): the death is detected, not timed out
-    assert s.error is not None and "llm" in s.error and "down" in s.error, (s.error, s.summary)
-    assert str(pid) in s.error
-    back = _wait_llm_back(server, "token_router_triton", t_kill)
-    assert back["routing_summary"]["tokens_by_model"]["llm"] > 0
     _kv_zero(server)
 
 

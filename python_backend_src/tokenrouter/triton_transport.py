@@ -140,16 +140,11 @@ class _Pump:
             req = self._request()
             it = req.exec(decoupled=True)
             self._sent()
-            for resp in it:
-                if resp.has_error():
-                    msg = resp.error().message()
-                    if is_down_error(msg):
-                        self.t.mark_down(self.model, f"model {self.model} is down: {msg}")
-                        self._emit([], {"kind": "peer_down", "message": f"model {self.model} is down: {msg}"})
-                    else:
-                        self._emit([], {"kind": "error", "message": msg})
-                    continue
-                self._emit(*self._values(resp))
+            for resp in it:  # always to the final response: an unfinished iterator blocks where it is freed
+                try:
+                    self._handle(resp)
+                except Exception as e:  # noqa: BLE001 - e.g. a response without valid JSON
+                    self._emit([], {"kind": "error", "message": f"model {self.model}: bad response: {e}"})
         except Exception as e:  # noqa: BLE001 - this stream only
             logger.exception("BLS %s to %s failed", self.inputs["op"], self.model)
             self._emit([], {"kind": "error", "message": f"model {self.model}: BLS call failed: {e}"})
@@ -157,6 +152,17 @@ class _Pump:
             self._sent()
             self._emit([], {"kind": "_end"})
             self.t.bury(it, req)
+
+    def _handle(self, resp) -> None:
+        if resp.has_error():
+            msg = resp.error().message()
+            if is_down_error(msg):
+                self.t.mark_down(self.model, f"model {self.model} is down: {msg}")
+                self._emit([], {"kind": "peer_down", "message": f"model {self.model} is down: {msg}"})
+            else:
+                self._emit([], {"kind": "error", "message": msg})
+            return
+        self._emit(*self._values(resp))
 
     def _values(self, resp) -> Tuple[List[int], Dict[str, Any]]:
         pb = self.t.pb_utils
