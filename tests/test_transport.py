@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures as cf
 import os
 import queue
-import re
 import shutil
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from scheduler_model.config_writer import update_config_text
+from tokenrouter.repository import add_router
 from tokenrouter.soak import run_soak
 from tr_client import generate, grpc_stream, router_inputs, triton_stats, wait_kv_released
 from tritonserver import TritonServer
@@ -46,12 +46,7 @@ def _repository(dst: Path) -> Path:
         cfg = repo / m / "config.pbtxt"
         text, _ = update_config_text(cfg.read_text(), B_TEST, DELAY_US, name=m, transport="triton")
         cfg.write_text(text)
-    router = repo / ROUTER
-    (router / "1").mkdir(parents=True)
-    cfg = (repo / "token_router" / "config.pbtxt").read_text()
-    cfg = re.sub(r'name:\s*"token_router"', f'name: "{ROUTER}"', cfg)
-    cfg += '\nparameters { key: "transport" value { string_value: "triton" } }\n'
-    (router / "config.pbtxt").write_text(cfg)
+    add_router(str(repo), ROUTER, {"transport": "triton"})
     return repo
 
 

@@ -10,13 +10,13 @@ test does not share test_failure's server, whose last test checks a clean SIGTER
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import time
 from pathlib import Path
 
 import pytest
 
+from tokenrouter.repository import add_router
 from test_failure import ALL_LLM, _kill, _kv_zero, _Seen, _Stream, _wait_llm_back
 from tritonserver import TritonServer
 
@@ -32,11 +32,9 @@ def server(tmp_path_factory):
     repo = work / "model_repository"
     for m in ("slm", "llm"):
         shutil.copytree(REPO_ROOT / "model_repository" / m, repo / m)
-    (repo / ROUTER / "1").mkdir(parents=True)
-    cfg = (REPO_ROOT / "model_repository" / "token_router" / "config.pbtxt").read_text()
-    cfg = re.sub(r'name:\s*"token_router"', f'name: "{ROUTER}"', cfg)
-    cfg += '\nparameters { key: "transport" value { string_value: "triton" } }\n'
-    (repo / ROUTER / "config.pbtxt").write_text(cfg)
+    shutil.copytree(REPO_ROOT / "model_repository" / "token_router", repo / "token_router")
+    add_router(str(repo), ROUTER, {"transport": "triton"})
+    shutil.rmtree(repo / "token_router")
     s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
                      log_path=work / "tritonserver.log",
                      extra_args=["--model-control-mode=explicit", "--load-model=*"])

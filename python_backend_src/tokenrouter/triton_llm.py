@@ -1,15 +1,22 @@
 """Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
 
-The router reaches the model over the ZeroMQ inter-model channel
-(:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``, default a
-fresh ``ipc://`` path, which op ``endpoint`` reports).  The same operations are
-also served as Triton requests (admin tools, tests).
+A router with ``transport: zmq`` reaches the model over the ZeroMQ inter-model
+channel (:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``,
+default a fresh ``ipc://`` path, which op ``endpoint`` reports).  The same
+operations are served as Triton requests: a router with ``transport: triton``
+(:mod:`tokenrouter.triton_transport`) sends every segment that way, and admin
+tools and tests use them.  The ``run`` requests of one ``execute`` call — the
+arrivals Triton's dynamic batcher grouped — enter the decode loop as one group,
+so they share a step (docs/transport.md: how the batcher and the loop's own
+delayed batching divide the work).  One *Triton I/O* thread sends every
+response and publishes the metrics; ``execute`` only reads its requests.
 
 Triton wire protocol (clients normally talk to ``token_router``):
 
 Inputs
     ``request_id`` BYTES [1]   request id
-    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint``, ``configure``
+    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint``, ``ping``
+                               (answers ``{"kind": "pong", "pid"}``), ``configure``
                                (``peer_req`` then holds scheduling settings to change
                                at run time, e.g. {"delayed_batch_size": B}: see _configure)
                                or ``calibrate`` (``peer_req``: {"batch_sizes", "context",
@@ -264,6 +271,9 @@ class TritonPythonModel:
                         pr.rid = rid
                     runs.append((pr, self._make_sink(sender)))
                 elif op == "release":
+                    if any(pr.rid == rid for pr, _ in runs):  # its run came first: keep that order
+                        self.subserver.submit_group(runs)
+                        runs = []
                     self.subserver.release(rid)
                     self._send(sender, [], {"kind": "released"})
                 elif op == "configure":
