@@ -4,7 +4,8 @@
   [--max-states N] [--time-budget-s S] [--seed S] [--quantum-s Q]``
   B* search; ``--json`` prints ``{"B_star", "throughput_tokens_per_s", "method", "states", "table", …}``,
   otherwise a readable table. ``--write-config`` writes B* into each model's config.pbtxt
-  (:mod:`scheduler_model.config_writer`).
+  (:mod:`scheduler_model.config_writer`); ``--transport triton`` writes it for the router's
+  Triton transport (dynamic batcher only; the decode loop's own delayed batching off).
   ``--calibration CALIB.json`` refits the calibrated models' step latency first
   (:func:`scheduler_model.calibrate.apply_calibration`); ``--concurrency N`` overrides N. The
   JSON also carries ``concurrency`` and ``step_latency_s`` {model: [L̄(1), …, L̄(max batch)]}
@@ -57,6 +58,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--profile", required=True, help="PROFILE.json")
     s.add_argument("--json", action="store_true", help="print JSON instead of a table")
     s.add_argument("--write-config", metavar="MODEL_REPOSITORY", help="write B* into <repo>/<model>/config.pbtxt")
+    s.add_argument("--transport", choices=("zmq", "triton"), default="zmq",
+                   help="the router's transport the configs are for (with --write-config): zmq writes B* into "
+                        "the batcher and the decode loop's delayed batching; triton into the batcher only "
+                        "(the loop gets delayed_batch_size 1, wait 0). Default zmq")
     s.add_argument("--method", default="auto", choices=["auto", "exact", "crn-racing"])
     s.add_argument("--max-states", type=int, default=500_000, help="per-chain state limit of the exact method")
     s.add_argument("--time-budget-s", type=float, default=20.0, help="auto: exact only if it fits this budget")
@@ -125,7 +130,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
                              for i, m in enumerate(system.models)}
     if args.write_config:
         wait = config_writer.max_wait_us(system, res.B_star, res.throughput_tokens_per_s)
-        msgs = config_writer.write_configs(args.write_config, res.B_star, wait)
+        msgs = config_writer.write_configs(args.write_config, res.B_star, wait, transport=args.transport)
         out["max_queue_delay_us"] = wait
         out["config_changes"] = msgs
     if args.json:

@@ -9,6 +9,11 @@ expressions), and these fields are set — every other field is kept as parsed::
     parameters { key: "delayed_batch_size"        value { string_value: "<B*_i>" } }
     parameters { key: "delayed_batch_max_wait_us" value { string_value: "<W_i>" } }
 
+With ``transport="triton"`` (the router's ``transport: triton``, where every arrival at a model is
+a Triton request) Triton's dynamic batcher does the delayed batching of arrivals, so the decode
+loop's own rule is turned off instead: ``delayed_batch_size`` 1 and ``delayed_batch_max_wait_us`` 0
+(docs/transport.md explains the split).
+
 Protobuf text format has no notion of comments, so comments inside the message are lost; the
 leading comment block of the file (lines starting with ``#`` before the first field) is kept.
 
@@ -108,12 +113,21 @@ def _split_header(text: str) -> tuple:
     return "".join(head), text
 
 
-def update_config_text(text: str, B: int, wait_us: int, *, name: str = "") -> tuple:
+#: router transports (``token_router`` parameter ``transport``) the configs can be written for
+TRANSPORTS = ("zmq", "triton")
+
+
+def update_config_text(text: str, B: int, wait_us: int, *, name: str = "", transport: str = "zmq") -> tuple:
     """Return (new text, list of change messages) for one config.pbtxt's text.
 
+    ``transport="zmq"`` writes B and the wait into both the dynamic batcher and the decode
+    loop's delayed batching; ``"triton"`` into the batcher only, the loop getting 1 and 0.
+
     Raises:
-        ConfigWriteError: the text does not parse as a ModelConfig.
+        ConfigWriteError: the text does not parse as a ModelConfig, or an unknown transport.
     """
+    if transport not in TRANSPORTS:
+        raise ConfigWriteError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     pb, text_format = _pb()
     cfg = pb.ModelConfig()
     try:
@@ -129,17 +143,20 @@ def update_config_text(text: str, B: int, wait_us: int, *, name: str = "") -> tu
     del db.preferred_batch_size[:]
     db.preferred_batch_size.append(B)
     db.max_queue_delay_microseconds = int(wait_us)
-    cfg.parameters[PARAM_BATCH].string_value = str(int(B))
-    cfg.parameters[PARAM_WAIT].string_value = str(int(wait_us))
+    loop_B, loop_wait = (int(B), int(wait_us)) if transport == "zmq" else (1, 0)
+    cfg.parameters[PARAM_BATCH].string_value = str(loop_B)
+    cfg.parameters[PARAM_WAIT].string_value = str(loop_wait)
     msgs.append(f"{name}: preferred_batch_size [{B}], max_queue_delay_microseconds {wait_us}, "
-                f"{PARAM_BATCH}={B}, {PARAM_WAIT}={wait_us}")
+                f"{PARAM_BATCH}={loop_B}, {PARAM_WAIT}={loop_wait}")
     header, _ = _split_header(text)
     body = text_format.MessageToString(cfg)
     return (header + "\n" + body if header else body), msgs
 
 
-def write_configs(model_repository: str, B_star: Mapping[str, int], wait_us: Mapping[str, int]) -> List[str]:
-    """Write B* and W into MODEL_REPOSITORY/<model>/config.pbtxt for every model in B_star.
+def write_configs(model_repository: str, B_star: Mapping[str, int], wait_us: Mapping[str, int],
+                  transport: str = "zmq") -> List[str]:
+    """Write B* and W into MODEL_REPOSITORY/<model>/config.pbtxt for every model in B_star
+    (``transport``: see :func:`update_config_text`).
 
     All configs are parsed and checked before any is written.
 
@@ -161,7 +178,7 @@ def write_configs(model_repository: str, B_star: Mapping[str, int], wait_us: Map
             raise ConfigWriteError(f"{path!r} missing")
         with open(path, "r", encoding="utf-8") as fh:
             text = fh.read()
-        new, mm = update_config_text(text, int(B), int(wait_us[m]), name=m)
+        new, mm = update_config_text(text, int(B), int(wait_us[m]), name=m, transport=transport)
         updates.append((path, new))
         msgs.extend(mm)
     for path, new in updates:

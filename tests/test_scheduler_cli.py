@@ -110,6 +110,21 @@ def test_write_config_uses_protobuf_and_keeps_fields(profile_path, repo, capsys)
     assert out["max_queue_delay_us"]["slm"] == 0  # B = 1 starts at once
 
 
+def test_write_config_for_triton_transport(profile_path, repo, capsys):
+    """--transport triton: B* and the wait go to Triton's batcher only; the decode loop's rule is off."""
+    assert main(["solve", "--profile", profile_path, "--json", "--write-config", str(repo),
+                 "--transport", "triton"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for m in ("slm", "llm"):
+        cfg = _parse((repo / m / "config.pbtxt").read_text())
+        assert list(cfg.dynamic_batching.preferred_batch_size) == [out["B_star"][m]]
+        assert cfg.dynamic_batching.max_queue_delay_microseconds == out["max_queue_delay_us"][m]
+        assert cfg.parameters["delayed_batch_size"].string_value == "1"
+        assert cfg.parameters["delayed_batch_max_wait_us"].string_value == "0"
+    with pytest.raises(ConfigWriteError, match="transport"):
+        config_writer.update_config_text((repo / "slm" / "config.pbtxt").read_text(), 2, 10, transport="bls")
+
+
 def test_write_config_missing_model_dir(profile_path, tmp_path, capsys):
     r = tmp_path / "empty_repo"
     (r / "slm").mkdir(parents=True)

@@ -55,14 +55,14 @@ def router_inputs(prompt: str, sampling: Optional[Dict[str, Any]], stream: bool,
 
 def grpc_stream(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, stream: bool = True,
                 chat: bool = False, trace: bool = True, timeout: float = 300,
-                inputs: Optional[List[Any]] = None) -> Dict[str, Any]:
-    """One request over a gRPC stream; returns chunks, final fields, or ``error``."""
+                inputs: Optional[List[Any]] = None, model: str = "token_router") -> Dict[str, Any]:
+    """One request over a gRPC stream to router ``model``; returns chunks, final fields, or ``error``."""
     q: "queue.Queue" = queue.Queue()
     c = grpcclient.InferenceServerClient(server.grpc_url)
     c.start_stream(callback=lambda result, error: q.put((result, error)))
     out: Dict[str, Any] = {"chunks": [], "error": None}
     try:
-        c.async_stream_infer("token_router", inputs or router_inputs(prompt, sampling, stream, chat=chat,
+        c.async_stream_infer(model, inputs or router_inputs(prompt, sampling, stream, chat=chat,
                                                                       trace=trace),
                              enable_empty_final_response=True)
         deadline = time.time() + timeout
@@ -92,6 +92,14 @@ def grpc_stream(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, 
         c.close()
     out["text"] = "".join(out["chunks"])
     return out
+
+
+def triton_stats(server, model: str) -> Dict[str, int]:
+    """Triton's own statistics of ``model`` (``GET /v2/models/<model>/stats``): inference_count,
+    execution_count and the success count."""
+    st = requests.get(f"http://{server.http_url}/v2/models/{model}/stats", timeout=10).json()["model_stats"][0]
+    return {"inference_count": int(st.get("inference_count", 0)), "execution_count": int(st.get("execution_count", 0)),
+            "success_count": int(st["inference_stats"]["success"]["count"])}
 
 
 def model_stats(server, model: str) -> Dict[str, Any]:

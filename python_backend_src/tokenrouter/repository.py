@@ -7,6 +7,8 @@ expressions, so every other setting in a file is kept.
 CLI::
 
     python -m tokenrouter.repository --src model_repository --out RUN_DIR --pair size-realistic
+    # plus a second router reaching the models over the Triton transport
+    python -m tokenrouter.repository --out RUN_DIR --router token_router_triton transport=triton
 """
 
 from __future__ import annotations
@@ -117,8 +119,16 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
     ap.add_argument("--src", default="model_repository")
     ap.add_argument("--out", required=True)
     ap.add_argument("--pair", default="demo", choices=sorted(PAIRS))
+    ap.add_argument("--router", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
+                    help="add a router model NAME (a copy of token_router) with these config parameters; "
+                         "repeatable")
     a = ap.parse_args(list(argv) if argv is not None else None)
-    make_variant(a.src, a.out, a.pair)
+    routers = {}
+    for name, *kvs in a.router:
+        if any("=" not in kv for kv in kvs):
+            ap.error(f"--router {name}: parameters are KEY=VALUE, got {kvs}")
+        routers[name] = dict(kv.split("=", 1) for kv in kvs)
+    make_variant(a.src, a.out, a.pair, routers=routers)
     print(a.out)
     return 0
 

@@ -142,6 +142,12 @@ class Subserver:
         """Queue a PeerReq (new request or a resume) for this model.  Thread-safe."""
         self.inbox.put(("run", peer_req, sink))
 
+    def submit_group(self, items: List[tuple]) -> None:
+        """Queue several ``(peer_req, sink)`` at once: the loop receives them all before its
+        next step decision, so the ready ones enter the same step (Triton's dynamic batcher
+        grouped them: router ``transport: triton``).  Thread-safe."""
+        self.inbox.put(("group", list(items), None))
+
     def release(self, rid: str) -> None:
         """End ``rid`` here: close its running segment (``cancelled``) and free its KV.  Thread-safe."""
         self.inbox.put(("release", rid, None))
@@ -322,6 +328,9 @@ class Subserver:
                     self._release(a.rid, "error", str(e))  # answers b through the segment's sink
                 else:
                     b("error", [], {"message": f"model {self.name}: {e}"})
+        elif op == "group":
+            for peer_req, sink in a:
+                self._handle(("run", peer_req, sink))
         elif op == "release":
             self._release(a, "cancelled", "released by the router")
             self._admit_waiting()

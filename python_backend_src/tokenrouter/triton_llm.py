@@ -1,15 +1,22 @@
 """Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
 
-The router reaches the model over the ZeroMQ inter-model channel
-(:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``, default a
-fresh ``ipc://`` path, which op ``endpoint`` reports).  The same operations are
-also served as Triton requests (admin tools, tests).
+A router with ``transport: zmq`` reaches the model over the ZeroMQ inter-model
+channel (:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``,
+default a fresh ``ipc://`` path, which op ``endpoint`` reports).  The same
+operations are served as Triton requests: a router with ``transport: triton``
+(:mod:`tokenrouter.triton_transport`) sends every segment that way, and admin
+tools and tests use them.  The ``run`` requests of one ``execute`` call — the
+arrivals Triton's dynamic batcher grouped — enter the decode loop as one group,
+so they share a step (docs/transport.md: how the batcher and the loop's own
+delayed batching divide the work).  One *Triton I/O* thread sends every
+response and publishes the metrics; ``execute`` only reads its requests.
 
 Triton wire protocol (clients normally talk to ``token_router``):
 
 Inputs
     ``request_id`` BYTES [1]   request id
-    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint``, ``configure``
+    ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint``, ``ping``
+                               (answers ``{"kind": "pong", "pid"}``), ``configure``
                                (``peer_req`` then holds scheduling settings to change
                                at run time, e.g. {"delayed_batch_size": B}: see _configure),
                                ``events`` (``peer_req``: {"since": cursor, "limit": n}; the
@@ -49,6 +56,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from typing import Any, Dict, List
@@ -126,14 +134,16 @@ class TritonPythonModel:
         self._metrics_snapshot = None
         self._metrics_dirty = threading.Event()
         self._closing = threading.Event()
+        # the Triton I/O thread: the only thread that sends responses and publishes metrics
+        self._io_q: "queue.Queue" = queue.Queue()
         self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._on_event,
                                    on_idle=self._refresh_metrics_idle)
         self.peer_server = PeerServer(self.subserver, param(p, "peer_endpoint", "") or None,
                                       configure_fn=self._configure, events_fn=self._events)
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
         self._start_liveness()
-        self._metrics_thread = threading.Thread(target=self._metrics_loop, name=f"metrics-{self.name}", daemon=True)
-        self._metrics_thread.start()
+        self._io_thread = threading.Thread(target=self._io_loop, name=f"triton-io-{self.name}", daemon=True)
+        self._io_thread.start()
 
     # --------------------------------------------------------------- metrics
     def _init_metrics(self) -> None:
@@ -177,20 +187,57 @@ class TritonPythonModel:
             "decode_tokens": s.counters["decode_tokens"], "handoffs_out": s.counters["handoffs_out"]}
         self._metrics_dirty.set()
 
-    def _metrics_loop(self) -> None:
-        """Publish the newest snapshot, at most every METRICS_INTERVAL_S; the last one is always published."""
-        published = None
-        while not self._closing.is_set():
-            self._metrics_dirty.wait()
-            self._metrics_dirty.clear()
-            snap = self._metrics_snapshot
-            if snap is not None and snap != published:
+    def _publish_metrics(self, published):
+        """Publish the newest snapshot if it changed; returns the snapshot now published."""
+        snap = self._metrics_snapshot
+        if snap is not None and snap != published:
+            try:
+                self._refresh_metrics(snap)
+                return snap
+            except Exception:  # noqa: BLE001 - metrics must never stop serving
+                logger.debug("metrics update failed", exc_info=True)
+        return published
+
+    def _io_loop(self) -> None:
+        """Send queued responses in order; publish the metrics at most every METRICS_INTERVAL_S.
+
+        The only thread of this stub that sends Triton responses or updates metrics
+        (``execute`` only reads its requests), so no two threads call into the Python
+        backend's response or metrics API at once.  Items: ``(sender, tokens, event,
+        flags, error)``; ``None`` ends the loop once the queue is empty.
+        """
+        published, next_pub = None, 0.0
+        while True:
+            try:
+                item = self._io_q.get(timeout=METRICS_INTERVAL_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                break
+            if item:
+                sender, tokens, event, flags, error = item
                 try:
-                    self._refresh_metrics(snap)
-                    published = snap
-                except Exception:  # noqa: BLE001 - metrics must never stop serving
-                    logger.debug("metrics update failed", exc_info=True)
-            time.sleep(METRICS_INTERVAL_S)
+                    if error is not None:
+                        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(error)),
+                                    flags=flags)
+                    else:
+                        sender.send(self._response(tokens, event), flags=flags)
+                except Exception:  # noqa: BLE001 - e.g. the caller has gone
+                    logger.debug("model %s: response not delivered", self.name, exc_info=True)
+            now = time.monotonic()
+            if now >= next_pub and self._metrics_dirty.is_set():
+                self._metrics_dirty.clear()
+                published = self._publish_metrics(published)
+                next_pub = now + METRICS_INTERVAL_S
+        self._publish_metrics(published)
+
+    def _send(self, sender, tokens: List[int], event: Dict[str, Any], final: bool = True) -> None:
+        """Queue one response for the I/O thread (any thread)."""
+        self._io_q.put((sender, list(tokens), event, _FINAL if final else 0, None))
+
+    def _send_error(self, sender, message: str) -> None:
+        """Queue a final error response for the I/O thread (any thread)."""
+        self._io_q.put((sender, [], None, _FINAL, message))
 
     def _configure(self, cfg: Dict[str, Any]) -> None:
         """Apply a ``configure`` op: the same keys as the config parameters
@@ -248,43 +295,55 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- execute
     def execute(self, requests: List[Any]) -> None:
+        """Handle the requests of one call; ``run`` requests enter the decode loop as one group.
+
+        With ``dynamic_batching`` the requests of one call are the arrivals Triton's
+        batcher grouped (router ``transport: triton``): submitting them together makes
+        them join the same step (:meth:`Subserver.submit_group`).
+        """
+        runs = []
         for request in requests:
             sender = request.get_response_sender()
             try:
                 rid = _str_input(request, "request_id")
                 op = _str_input(request, "op", "run") or "run"
-                if not rid and op not in ("stats", "endpoint", "configure", "calibrate", "events"):
+                if not rid and op not in ("stats", "endpoint", "configure", "calibrate", "ping", "events"):
                     raise ValueError("request_id is required")
-                if op == "release":
-                    self.subserver.release(rid)
-                    sender.send(self._response([], {"kind": "released"}), flags=_FINAL)
-                elif op == "configure":
-                    self._configure(json.loads(_str_input(request, "peer_req", "{}") or "{}"))
-                    sender.send(self._response([], {"kind": "configured"}), flags=_FINAL)
-                elif op == "events":
-                    req = json.loads(_str_input(request, "peer_req", "{}") or "{}")
-                    sender.send(self._response([], {"kind": "events", **self._events(req)}), flags=_FINAL)
-                elif op == "calibrate":
-                    self._start_calibration(json.loads(_str_input(request, "peer_req", "{}") or "{}"), sender)
-                elif op == "stats":
-                    sender.send(self._response([], {"kind": "stats", **self.subserver.stats()}), flags=_FINAL)
-                elif op == "endpoint":
-                    sender.send(self._response([], {"kind": "endpoint", "endpoint": self.peer_server.endpoint,
-                                                    "pid": os.getpid(),
-                                                    "start": process_start_time(os.getpid())}),
-                                flags=_FINAL)
-                elif op == "run":
+                if op == "run":
                     ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
                     ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).astype(np.int64).tolist()
                     pr = PeerReq.from_wire(_str_input(request, "peer_req", "{}"), ids)
                     if pr.rid != rid:
                         pr.rid = rid
-                    self.subserver.submit(pr, self._make_sink(sender))
+                    runs.append((pr, self._make_sink(sender)))
+                elif op == "release":
+                    if any(pr.rid == rid for pr, _ in runs):  # its run came first: keep that order
+                        self.subserver.submit_group(runs)
+                        runs = []
+                    self.subserver.release(rid)
+                    self._send(sender, [], {"kind": "released"})
+                elif op == "configure":
+                    self._configure(json.loads(_str_input(request, "peer_req", "{}") or "{}"))
+                    self._send(sender, [], {"kind": "configured"})
+                elif op == "calibrate":
+                    self._start_calibration(json.loads(_str_input(request, "peer_req", "{}") or "{}"), sender)
+                elif op == "events":
+                    req = json.loads(_str_input(request, "peer_req", "{}") or "{}")
+                    self._send(sender, [], {"kind": "events", **self._events(req)})
+                elif op == "stats":
+                    self._send(sender, [], {"kind": "stats", **self.subserver.stats()})
+                elif op == "ping":
+                    self._send(sender, [], {"kind": "pong", "pid": os.getpid()})
+                elif op == "endpoint":
+                    self._send(sender, [], {"kind": "endpoint", "endpoint": self.peer_server.endpoint,
+                                            "pid": os.getpid(), "start": process_start_time(os.getpid())})
                 else:
                     raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure, calibrate, "
-                                     "events or endpoint")
+                                     "ping, events or endpoint")
             except Exception as e:  # noqa: BLE001 - answer this request only
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e))), flags=_FINAL)
+                self._send_error(sender, str(e))
+        if runs:
+            self.subserver.submit_group(runs)
         return None
 
     def _start_calibration(self, cfg: Dict[str, Any], sender) -> None:
@@ -315,9 +374,9 @@ class TritonPythonModel:
         def run() -> None:
             try:
                 res = self.subserver.calibrate(bs, context=ctx, decode_steps=steps)
-                sender.send(self._response([], {"kind": "calibration", **res}), flags=_FINAL)
+                self._send(sender, [], {"kind": "calibration", **res})
             except Exception as e:  # noqa: BLE001 - answer this request only
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(f"calibrate: {e}")), flags=_FINAL)
+                self._send_error(sender, f"calibrate: {e}")
 
         threading.Thread(target=run, name=f"calibrate-{self.name}", daemon=True).start()
 
@@ -329,13 +388,12 @@ class TritonPythonModel:
         ])
 
     def _make_sink(self, sender):
+        """A segment sink (decode-loop thread) answering a Triton ``run`` request through the I/O thread."""
         def sink(kind: str, tokens: List[int], info: Dict[str, Any]) -> None:
-            final = kind in FINAL_KINDS
             if kind == "error":
-                sender.send(pb_utils.InferenceResponse(
-                    output_tensors=[], error=pb_utils.TritonError(info.get("message", "error"))), flags=_FINAL)
+                self._send_error(sender, info.get("message", "error"))
                 return
-            sender.send(self._response(tokens, {"kind": kind, **info}), flags=_FINAL if final else 0)
+            self._send(sender, tokens, {"kind": kind, **info}, final=kind in FINAL_KINDS)
         return sink
 
     # -------------------------------------------------------------- liveness
@@ -429,10 +487,10 @@ class TritonPythonModel:
         self._drain(self.drain_timeout_s)
         self._remove_reload_locks()
         self._closing.set()
-        self._metrics_dirty.set()
         self.peer_server.close()
         self.subserver.stop()
-        self._metrics_thread.join(timeout=2)
+        self._io_q.put(None)  # the I/O thread sends what is queued (the loop's last answers), then ends
+        self._io_thread.join(timeout=5)
         # free the metric families now, while the stub's shared memory is alive: left to the
         # interpreter's final garbage collection, their destructors crash the stub on exit
         self._metrics.clear()

@@ -51,11 +51,15 @@ the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 ``peer_timeout_s`` (a model silent this long fails the request; 0 = never),
 ``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
 it needs is down; see :class:`_PeerFailure`), ``peer_restart_s`` (seconds between
-two attempts to get a dead model restarted), ``online_adaptation`` and the other
-``online_*`` parameters (B* adapted while serving: :mod:`tokenrouter.online_bstar`).
+two attempts to get a dead model restarted), ``transport`` (how requests reach
+the models, below), ``online_adaptation`` and the other ``online_*`` parameters
+(B* adapted while serving: :mod:`tokenrouter.online_bstar`).
 
-Models are reached over the ZeroMQ channel of :mod:`tokenrouter.peer_channel`;
-each model's endpoint is asked once with a BLS call (op ``endpoint``).
+``transport: zmq`` (default): models are reached over the ZeroMQ channel of
+:mod:`tokenrouter.peer_channel`; each model's endpoint is asked once with a BLS
+call (op ``endpoint``).  ``transport: triton``: every visit of a request to a
+model is a decoupled BLS request to it (:mod:`tokenrouter.triton_transport`), so
+handoffs pass Triton's scheduler and dynamic batcher.
 
 LLM-serving metrics (TTFT, time per output token, end-to-end, queue and
 handoff latency histograms; token, request and handoff counters; running and
@@ -63,9 +67,13 @@ waiting gauges) go to Triton's metrics endpoint: see :mod:`tokenrouter.metrics`.
 
 Threads (paper §Design, three decoupled loops): ``execute`` parses and queues;
 one worker per request runs the inter-model loop (:func:`router_core.drive`);
-one *client I/O* thread sends every response, checks cancellation and makes
-the endpoint BLS calls, so no two threads of this stub call into the Python
-backend at once (besides ``execute`` reading its requests).
+one *client I/O* thread sends every response, checks cancellation, updates the
+metrics and makes the endpoint BLS calls, so no two threads of this stub call
+into the Python backend's response or metrics API at once (besides ``execute``
+reading its requests).  With ``transport: triton`` the BLS streams of the
+segments run on their own *pump* threads, which only make BLS calls and read
+their responses; why that is safe in the Triton 2.51 stub, and the fence the
+client I/O thread runs for them, is explained in :mod:`tokenrouter.triton_transport`.
 """
 
 from __future__ import annotations
@@ -92,6 +100,7 @@ from .protocol import FinishReason
 from .router_core import drive, encode_prompt, make_header, stop_token_ids
 from .sampling import SamplingParams, parse_sampling_parameters
 from .triton_common import model_parameters, param, resolve_model_path
+from .triton_transport import TritonTransport
 
 logger = logging.getLogger(__name__)
 
@@ -183,6 +192,9 @@ def _request_parameters(request) -> Optional[Dict[str, Any]]:
     return d or None
 
 
+#: values of the ``transport`` config parameter: how the router reaches the models
+TRANSPORTS = ("zmq", "triton")
+
 #: seconds between two cancellation sweeps of the client I/O loop (each check
 #: of a request is an IPC round trip to the server)
 CANCEL_CHECK_INTERVAL_S = 0.05
@@ -217,8 +229,18 @@ class TritonPythonModel:
         self._closing = threading.Event()
         self.failure = _PeerFailure(self, param(p, "on_peer_failure", "fail"),
                                     param(p, "peer_restart_s", 5.0, float))
-        self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=param(p, "peer_timeout_s", 600.0, float),
-                                on_down=self.failure.on_down)
+        self.transport = param(p, "transport", "zmq").strip().lower()
+        stall = param(p, "peer_timeout_s", 600.0, float)
+        if self.transport == "zmq":
+            self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=stall, on_down=self.failure.on_down)
+        elif self.transport == "triton":
+            self.peers = TritonTransport(self._discover_process, stall_timeout_s=stall,
+                                         on_down=self.failure.on_down, pb_utils=pb_utils)
+        else:
+            raise pb_utils.TritonModelException(
+                f"config parameter transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        #: the Triton transport's finished BLS streams are freed after a cancellation check (its fence)
+        self._fence = self.peers if self.transport == "triton" else None
         # the client I/O loop: the only thread that sends responses and checks cancellation
         self._out: "queue.Queue[tuple]" = queue.Queue()
         self._active: Dict[str, _Job] = {}
@@ -403,6 +425,14 @@ class TritonPythonModel:
             raise RuntimeError(box["error"])
         return box["endpoint"]
 
+    def _discover_process(self, model: str) -> Dict[str, Any]:
+        """The stub process of ``model`` (``transport: triton``: for the liveness watch).
+
+        Its advert when there is one, else ``{}`` (no watch; a dead stub is then found
+        by the "not healthy" answer of a BLS call).
+        """
+        return read_advert(model) or {}
+
     @staticmethod
     def _bls_endpoint(model: str) -> Dict[str, Any]:
         req = pb_utils.InferenceRequest(
@@ -461,12 +491,17 @@ class TritonPythonModel:
                 with self._active_lock:
                     jobs = list(self._active.values())
                 self._io_load_gauges()
+                mark = self._fence.fence_mark() if self._fence is not None else None
+                asked = 0
                 for job in jobs:
                     if not job.cancelled:
                         try:
                             job.cancelled = bool(job.request.is_cancelled())
+                            asked += 1  # not cancelled before: this check went to the server
                         except Exception:  # noqa: BLE001
                             pass
+                if asked and mark:
+                    self._fence.fence_passed(mark)
 
     def _send(self, job: _Job, kind: str, payload: Any) -> None:
         self._out.put((job.sender, kind, payload))

@@ -1,0 +1,436 @@
+"""Triton transport: every visit of a request to a model is a decoupled BLS request.
+
+The router's ``transport: triton`` mode (see :mod:`tokenrouter.triton_router`).
+Where the ZeroMQ channel (:mod:`tokenrouter.peer_channel`) sends PeerReqs past
+Triton, here each *segment* — one visit of a request to a model — is a Triton
+request to that model (inputs ``request_id``, ``op = run``, ``input_ids`` = the
+token suffix the model has not seen, ``peer_req`` = the PeerReq header JSON),
+and its token chunks come back as the model's decoupled responses.  So every
+handoff passes Triton's scheduler: the model's ``dynamic_batching`` block groups
+arrivals (see ``docs/transport.md``) and ``/v2/models/<model>/stats`` counts them.
+``release`` is a request with ``op = release``; ``stats`` / ``configure`` /
+``ping`` likewise.  :class:`TritonTransport` has the interface
+:func:`tokenrouter.router_core.drive` expects (the same as
+:class:`~tokenrouter.peer_channel.PeerClient`).
+
+Threading — what the Triton 2.51 Python backend (python_backend r24.10) allows
+-------------------------------------------------------------------------------
+* ``InferenceRequest.exec(decoupled=True)`` blocks until the model's *first*
+  response (with the dynamic batcher that includes the queue delay), and the
+  returned ``ResponseIterator`` has only a blocking ``__next__``.
+  ``async_exec(decoupled=True)`` exists but is ``loop.run_in_executor(None,
+  exec)``: the same blocking call on asyncio's default thread pool, returning the
+  same synchronous iterator — it offers no single-threaded multiplexing.  One
+  thread issuing every BLS call would therefore serialise the submissions, and
+  Triton's batcher could never see two arrivals at once.
+* Concurrent ``exec`` / ``__next__`` from several threads is what ``async_exec``
+  itself does, and the stub synchronises it: ``exec`` and ``__next__`` release
+  the GIL while they wait, shared memory and the stub→server message queue are
+  mutex-protected, each iterator has its own mutex, the response-iterator map
+  its own.
+* What did corrupt the stub's heap (a version of this router that iterated BLS
+  streams from many threads crashed under load): when a stream's final response
+  arrives, the stub's *utils* thread (a C++ thread, no GIL) drops the stub's
+  reference to the iterator; if Python had already dropped its own, the
+  iterator, its responses and their tensors are destroyed on that thread and
+  each tensor's ``numpy`` array is decref'ed without the GIL (python_backend
+  fixed this after r24.10 by taking the GIL in ``~PbTensor``).  Here every
+  finished iterator is kept (:meth:`TritonTransport.bury`) until a *fence* has
+  passed — a ``request.is_cancelled()`` call that started after the stream
+  finished and returned: the utils thread handles its messages in order, so by
+  then it has dropped its reference, and the last one goes on a Python thread
+  holding the GIL.  The router's client I/O thread makes those calls in its
+  cancellation sweep and then calls :meth:`TritonTransport.fence_passed`.
+* Python objects of the backend (requests, responses, tensors) are only created
+  and read on the *pump* threads, one per open BLS stream (:class:`_Pump`): a
+  pump makes the call, reads each response into plain Python values and puts
+  them on the segment's queue; the router's worker thread reads that queue
+  exactly as it reads :meth:`PeerClient.segment`'s.  No pump sends client
+  responses, touches metrics or checks cancellation: those stay on the client
+  I/O thread.
+
+Failure: a model whose stub died is found in two ways — its advert's process is
+gone (checked every ``liveness_interval_s``, as the ZeroMQ client does), or a BLS
+call answers "Stub process ... is not healthy" (or the model is unknown / not
+ready).  Either marks the model *down*: its open segments end at once with
+:class:`~tokenrouter.peer_channel.PeerDownError` and new calls raise it.  A pump
+blocked on a dead stub's stream stays blocked (the 2.51 backend sends nothing
+more); it holds no lock and only its thread is lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+import logging
+import queue
+import re
+import threading
+import time
+from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+
+import numpy as np
+
+from .peer_channel import FINAL, PeerChannelError, PeerDownError, process_alive, process_start_time
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TritonTransport", "is_down_error"]
+
+#: BLS error messages (Triton's, lower-cased) that mean the model's process is gone or the model is
+#: not loaded: "Stub process 'llm_0_0' is not healthy.", "Request for unknown model: ...", "... is not ready"
+DOWN_MARKERS = ("is not healthy", "stub process", "unknown model", "is not ready", "is not found")
+#: errors the models themselves send start with "model <name>: " (a request error, not a dead model)
+_OWN_ERROR = re.compile(r"^model [\w.\-]+: ")
+
+
+def is_down_error(message: str) -> bool:
+    """True when a BLS error ``message`` says the model cannot be reached (not a request error)."""
+    m = message or ""
+    return not _OWN_ERROR.match(m) and any(k in m.lower() for k in DOWN_MARKERS)
+
+
+class _Pump:
+    """One BLS stream, on its own thread: exec, read every response, hand the values on.
+
+    Args:
+        transport: the owning :class:`TritonTransport` (BLS module, burial, down marking).
+        model: target model name.
+        inputs: ``{"request_id", "op", "input_ids", "peer_req"}`` values.
+        out: callable(ids, event) receiving each response as plain values, then a
+            final ``([], {"kind": "_end"})``; None for fire-and-forget calls.
+        after: an Event to wait for before the call (a release of the same request
+            on the same model that must reach the model first), or None.
+        on_sent: callable() run once ``exec`` has returned (the model received the request)
+            or the call failed.
+    """
+
+    def __init__(self, transport: "TritonTransport", model: str, inputs: Dict[str, Any],
+                 out: Optional[Callable[[List[int], Dict[str, Any]], None]],
+                 after: Optional[threading.Event] = None, on_sent: Optional[Callable[[], None]] = None):
+        self.t, self.model, self.inputs, self.out = transport, model, inputs, out
+        self.after, self.on_sent = after, on_sent
+        threading.Thread(target=self._run, name=f"bls-{model}-{inputs['op']}", daemon=True).start()
+
+    def _emit(self, ids: List[int], ev: Dict[str, Any]) -> None:
+        if self.out is not None:
+            self.out(ids, ev)
+
+    def _sent(self) -> None:
+        if self.on_sent is not None:
+            cb, self.on_sent = self.on_sent, None
+            cb()
+
+    def _request(self):
+        pb = self.t.pb_utils
+        i = self.inputs
+        return pb.InferenceRequest(
+            model_name=self.model, requested_output_names=["output_ids", "event"],
+            inputs=[pb.Tensor("request_id", np.asarray([[i["request_id"].encode()]], dtype=np.object_)),
+                    pb.Tensor("op", np.asarray([[i["op"].encode()]], dtype=np.object_)),
+                    pb.Tensor("input_ids", np.asarray(i.get("input_ids") or [], dtype=np.int64).reshape(1, -1)),
+                    pb.Tensor("peer_req", np.asarray([[i.get("peer_req", "{}").encode()]], dtype=np.object_))])
+
+    def _run(self) -> None:
+        it = req = None
+        try:
+            if self.after is not None:
+                self.after.wait(30)
+            req = self._request()
+            it = req.exec(decoupled=True)
+            self._sent()
+            for resp in it:  # always to the final response: an unfinished iterator blocks where it is freed
+                try:
+                    self._handle(resp)
+                except Exception as e:  # noqa: BLE001 - e.g. a response without valid JSON
+                    self._emit([], {"kind": "error", "message": f"model {self.model}: bad response: {e}"})
+        except Exception as e:  # noqa: BLE001 - this stream only
+            logger.exception("BLS %s to %s failed", self.inputs["op"], self.model)
+            self._emit([], {"kind": "error", "message": f"model {self.model}: BLS call failed: {e}"})
+        finally:
+            self._sent()
+            self._emit([], {"kind": "_end"})
+            self.t.bury(it, req)
+
+    def _handle(self, resp) -> None:
+        if resp.has_error():
+            msg = resp.error().message()
+            if is_down_error(msg):
+                self.t.mark_down(self.model, f"model {self.model} is down: {msg}")
+                self._emit([], {"kind": "peer_down", "message": f"model {self.model} is down: {msg}"})
+            else:
+                self._emit([], {"kind": "error", "message": msg})
+            return
+        self._emit(*self._values(resp))
+
+    def _values(self, resp) -> Tuple[List[int], Dict[str, Any]]:
+        pb = self.t.pb_utils
+        ids_t = pb.get_output_tensor_by_name(resp, "output_ids")
+        ev_t = pb.get_output_tensor_by_name(resp, "event")
+        ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).tolist()
+        ev = {"kind": "_empty"} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0])
+        return ids, ev
+
+
+class TritonTransport:
+    """Router side of the Triton transport (see module docstring).
+
+    Args:
+        resolve: callable(model) → ``{"pid": int, "start": int | None, ...}`` of the model's
+            stub process (its advert; called on a model's first use and after it is
+            marked up), or a dict without ``pid`` when unknown (no liveness watch then).
+        stall_timeout_s: a segment whose model sends nothing this long fails with
+            :class:`PeerChannelError` (seconds; 0 = wait forever).
+        tick_s: while waiting, :meth:`segment` yields ``([], {"kind": "tick"})`` every
+            ``tick_s`` seconds so that the caller can check cancellation.
+        on_down: optional callable(model, reason), called once each time a model is marked down.
+        liveness_interval_s: seconds between two checks of the models' processes.
+        pb_utils: the ``triton_python_backend_utils`` module (injected so this module
+            imports outside a stub).
+    """
+
+    reply_endpoint = ""  # no reply socket: responses come back through Triton
+
+    def __init__(self, resolve: Callable[[str], Dict[str, Any]], *, stall_timeout_s: float = 600.0,
+                 tick_s: float = 0.05, on_down: Optional[Callable[[str, str], None]] = None,
+                 liveness_interval_s: float = 0.25, pb_utils=None):
+        if pb_utils is None:
+            import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - only inside a stub
+        self.pb_utils = pb_utils
+        self._resolve = resolve
+        self.stall_timeout_s = float(stall_timeout_s)
+        self.tick_s = float(tick_s)
+        self._on_down = on_down
+        self.liveness_interval_s = float(liveness_interval_s)
+        self._lock = threading.Lock()
+        self._procs: Dict[str, Tuple[int, Optional[int]]] = {}  # model -> (pid, start time)
+        self._known: set = set()  # models resolved since their last down mark
+        self._down: Dict[str, str] = {}
+        self._segs: Dict[int, Tuple[str, "queue.Queue"]] = {}
+        self._ids = itertools.count(1)
+        self._releasing: Dict[Tuple[str, str], threading.Event] = {}
+        self._grave: Deque[Tuple[int, tuple]] = collections.deque()
+        self._grave_seq = 0
+        self._grave_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._monitor = threading.Thread(target=self._watch, name="bls-liveness", daemon=True)
+        self._monitor.start()
+
+    # ------------------------------------------------------- burial / fence
+    def bury(self, *objs) -> None:
+        """Keep finished BLS objects alive until :meth:`fence_passed` (see module docstring)."""
+        with self._grave_lock:
+            self._grave_seq += 1
+            self._grave.append((self._grave_seq, objs))
+
+    def fence_mark(self) -> int:
+        """Sequence number of the newest burial; give it to :meth:`fence_passed` after the fence call."""
+        with self._grave_lock:
+            return self._grave_seq
+
+    def fence_passed(self, mark: int) -> int:
+        """Drop burials up to ``mark`` (on the calling thread); returns how many were dropped.
+
+        Call only after a ``request.is_cancelled()`` that went to the server and
+        that started after :meth:`fence_mark` returned ``mark``.
+        """
+        dropped = []
+        with self._grave_lock:
+            while self._grave and self._grave[0][0] <= mark:
+                dropped.append(self._grave.popleft())
+        n = len(dropped)
+        del dropped  # the last references go here, on this (Python, GIL-holding) thread
+        return n
+
+    def buried(self) -> int:
+        """Finished BLS streams not yet released by a fence."""
+        with self._grave_lock:
+            return len(self._grave)
+
+    # ------------------------------------------------------------ liveness
+    def _know(self, model: str) -> None:
+        """Resolve ``model``'s process once (after each down mark), for the liveness watch."""
+        with self._lock:
+            if model in self._down:
+                raise PeerDownError(model, self._down[model])
+            if model in self._known:
+                return
+        info = self._resolve(model) or {}
+        self._set_proc(model, info)
+
+    def _set_proc(self, model: str, info: Dict[str, Any]) -> None:
+        with self._lock:
+            self._known.add(model)
+            if info.get("pid"):
+                pid = int(info["pid"])
+                start = info.get("start")
+                self._procs[model] = (pid, process_start_time(pid) if start is None else start)
+
+    def _watch(self) -> None:
+        while not self._stop.wait(self.liveness_interval_s):
+            with self._lock:
+                procs = list(self._procs.items())
+            for model, (pid, start) in procs:
+                if not process_alive(pid, start):
+                    self.mark_down(model, f"model {model} is down: its process (pid {pid}) exited")
+
+    def mark_down(self, model: str, reason: str) -> bool:
+        """Mark ``model`` down: end its open segments with :class:`PeerDownError`, refuse new calls.
+
+        Returns:
+            True when the model was up until now (``on_down`` is then called).
+        """
+        with self._lock:
+            was_up = model not in self._down
+            self._down[model] = reason
+            self._procs.pop(model, None)
+            self._known.discard(model)
+            queues = [q for m, q in self._segs.values() if m == model]
+        for q in queues:
+            q.put(([], {"kind": "peer_down", "message": reason}))
+        if was_up:
+            logger.error("%s", reason)
+            if self._on_down is not None:
+                try:
+                    self._on_down(model, reason)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_down(%s) failed", model)
+        return was_up
+
+    def mark_up(self, model: str, resolved: Any) -> None:
+        """Watch the process in ``resolved`` (an advert dict) for ``model`` and clear its down mark."""
+        info = resolved if isinstance(resolved, dict) else {}
+        with self._lock:
+            self._procs.pop(model, None)
+            self._down.pop(model, None)
+        self._set_proc(model, info)
+        logger.warning("model %s is up again", model)
+
+    def down(self) -> Dict[str, str]:
+        """Models marked down now: ``{model: reason}``."""
+        with self._lock:
+            return dict(self._down)
+
+    def is_down(self, model: str) -> bool:
+        with self._lock:
+            return model in self._down
+
+    # ----------------------------------------------------------- transport
+    def _open(self, model: str) -> Tuple[int, "queue.Queue"]:
+        seg, q = next(self._ids), queue.Queue()
+        with self._lock:
+            self._segs[seg] = (model, q)
+        return seg, q
+
+    def _close(self, seg: int) -> None:
+        with self._lock:
+            self._segs.pop(seg, None)
+
+    def _after_release(self, model: str, rid: str) -> Optional[threading.Event]:
+        """The pending release of ``rid`` on ``model`` a new segment must wait for, or None."""
+        with self._lock:
+            return self._releasing.get((model, rid))
+
+    def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
+        """One visit of ``rid`` to ``model`` as a decoupled BLS ``run`` request.
+
+        Yields ``(committed token ids, event)`` until a final event; between responses
+        ``([], {"kind": "tick"})`` every ``tick_s`` seconds.
+
+        Raises:
+            RuntimeError: the model reported an error.
+            PeerDownError: the model is down, or went down during the segment.
+            PeerChannelError: the model sent nothing for ``stall_timeout_s``.
+        """
+        self._know(model)
+        seg, q = self._open(model)
+        try:
+            _Pump(self, model, {"request_id": rid, "op": "run", "input_ids": list(tokens), "peer_req": header},
+                  lambda ids, ev: q.put((ids, ev)), after=self._after_release(model, rid))
+            deadline = time.monotonic() + self.stall_timeout_s
+            while True:
+                try:
+                    toks, ev = q.get(timeout=self.tick_s)
+                except queue.Empty:
+                    if self.stall_timeout_s and time.monotonic() > deadline:
+                        raise PeerChannelError(
+                            f"model {model} sent nothing for {self.stall_timeout_s:.0f} s") from None
+                    yield [], {"kind": "tick"}
+                    continue
+                deadline = time.monotonic() + self.stall_timeout_s
+                kind = ev.get("kind")
+                if kind == "peer_down":
+                    raise PeerDownError(model, ev.get("message") or f"model {model} is down")
+                if kind == "error":
+                    raise RuntimeError(ev.get("message") or f"model {model}: error")
+                if kind == "_end":
+                    raise RuntimeError(f"model {model} ended the request's stream without a final event")
+                if kind == "_empty":
+                    continue
+                yield toks, ev
+                if kind in FINAL:
+                    return
+        finally:
+            self._close(seg)
+
+    def release(self, model: str, rid: str) -> None:
+        """Free ``rid``'s state on ``model`` (a BLS ``release``; does not wait for it).
+
+        A later segment of the same request on the same model waits until the
+        release has reached the model.  Nothing is sent to a model marked down.
+        """
+        if self.is_down(model):
+            return
+        sent = threading.Event()
+        with self._lock:
+            self._releasing[(model, rid)] = sent
+
+        def done() -> None:
+            sent.set()
+            with self._lock:
+                if self._releasing.get((model, rid)) is sent:
+                    del self._releasing[(model, rid)]
+
+        _Pump(self, model, {"request_id": rid, "op": "release"}, None, on_sent=done)
+
+    def call(self, model: str, op: str, settings: Optional[Dict[str, Any]] = None,
+             timeout_s: float = 60.0) -> Dict[str, Any]:
+        """``stats``, ``configure`` or ``ping`` on ``model`` over BLS; returns the result dict.
+
+        Raises:
+            RuntimeError: the model reported an error.
+            PeerDownError: the model is down.
+            PeerChannelError: no answer within ``timeout_s`` seconds.
+        """
+        if self.is_down(model):
+            raise PeerDownError(model, self.down()[model])
+        q: "queue.Queue" = queue.Queue()
+        _Pump(self, model, {"request_id": "", "op": op, "peer_req": json.dumps(settings or {})},
+              lambda ids, ev: q.put(ev))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                ev = q.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise PeerChannelError(f"model {model} did not answer {op!r} in {timeout_s:.0f} s") from None
+            kind = ev.pop("kind", None)
+            if kind == "peer_down":
+                raise PeerDownError(model, ev.get("message") or f"model {model} is down")
+            if kind in ("error", "_end"):
+                raise RuntimeError(ev.get("message") or f"model {model}: no answer to {op!r}")
+            if kind == "_empty":
+                continue
+            return ev
+
+    def fail_all(self, message: str) -> None:
+        """End every open segment with :class:`PeerDownError` ``message`` (used at shutdown)."""
+        with self._lock:
+            entries = list(self._segs.values())
+        for _, q in entries:
+            q.put(([], {"kind": "peer_down", "message": message}))
+
+    def close(self) -> None:
+        """Stop the liveness watch (burials stay until the process ends: no fence can pass any more)."""
+        self._stop.set()
+        self._monitor.join(timeout=2)

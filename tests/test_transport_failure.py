@@ -1,0 +1,63 @@
+"""A killed model under the router's Triton transport (``transport: triton``), real tritonserver.
+
+Its own server (explicit model control, so that the router can reload the killed
+model): a BLS request waiting on a model whose stub was killed is never completed
+by Triton 2.51's Python backend, and the dead instance's unload waits for it — a
+server that hosted such a kill runs into its exit timeout when it stops.  So this
+test does not share test_failure's server, whose last test checks a clean SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from tokenrouter.repository import add_router
+from test_failure import ALL_LLM, _kill, _kv_zero, _Seen, _Stream, _wait_llm_back
+from tritonserver import TritonServer
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ROUTER = "token_router_triton"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not os.environ.get("TRITON_BACKEND_DIR"):
+        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
+    work = tmp_path_factory.mktemp("transport_failure")
+    repo = work / "model_repository"
+    for m in ("slm", "llm"):
+        shutil.copytree(REPO_ROOT / "model_repository" / m, repo / m)
+    shutil.copytree(REPO_ROOT / "model_repository" / "token_router", repo / "token_router")
+    add_router(str(repo), ROUTER, {"transport": "triton"})
+    shutil.rmtree(repo / "token_router")
+    s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
+                     log_path=work / "tritonserver.log",
+                     extra_args=["--model-control-mode=explicit", "--load-model=*"])
+    s.start()
+    s.seen = _Seen()
+    s.seen.note(s)
+    try:
+        yield s
+    finally:
+        s.stop()
+        print(f"\ntritonserver log: {s.log_path}")
+
+
+def test_llm_killed_triton_transport(server):
+    """A request waiting on a killed model's BLS stream ends at once with the reason (the advert's
+    pid watch, not the 600 s peer timeout); new requests are refused; the model comes back."""
+    s = _Stream(server, ROUTER, ALL_LLM)
+    assert s.first.wait(120) and s.error is None, s.error
+    t_kill = time.monotonic()
+    pid = _kill(server, "llm_0_0")
+    s.wait(60)
+    assert s.error is not None and "llm" in s.error and "down" in s.error, (s.error, s.summary)
+    assert str(pid) in s.error
+    back = _wait_llm_back(server, ROUTER, t_kill)
+    assert back["routing_summary"]["tokens_by_model"]["llm"] > 0
+    _kv_zero(server)
