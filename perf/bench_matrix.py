@@ -91,6 +91,9 @@ from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 MODELS = ["slm", "llm"]
 ALL_MODES = ["tokenrouter", "eager-async", "std-serving", "lock-step", "llm-only", "slm-only", "no-triton"]
 BASELINES = ["eager-async", "std-serving", "lock-step", "llm-only", "slm-only", "no-triton"]
+#: opt-in modes (not in the default --modes): tokenrouter through the Triton transport
+#: (docs/transport.md); the models' dynamic batcher holds --triton-batcher
+EXTRA_MODES = ["tokenrouter-triton"]
 RESET = {"delayed_batch_size": 1, "delayed_batch_max_wait_us": 0, "readmit_on_resume": False,
          "lockstep_group": ""}
 
@@ -249,7 +252,13 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), pair,
                         model_params=model_params,
                         routers={"token_router_llm_only": {"algorithm": "none", "algorithm_params": '{"model": 1}'},
-                                 "token_router_slm_only": {"algorithm": "none", "algorithm_params": '{"model": 0}'}})
+                                 "token_router_slm_only": {"algorithm": "none", "algorithm_params": '{"model": 0}'},
+                                 "token_router_triton": {"transport": "triton"}})
+    if "tokenrouter-triton" in args.modes:  # the batcher's B and delay are fixed at load
+        from scheduler_model.config_writer import write_configs
+
+        B = {m: args.triton_batcher.get(m, 1) for m in MODELS}
+        write_configs(repo, B, {m: args.triton_wait_us if B[m] > 1 else 0 for m in MODELS}, transport="triton")
     rp = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters
     tok = load_tokenizer(resolve_model_path(rp["tokenizer_path"].string_value if "tokenizer_path" in rp
                                             else "smollm2-135m-instruct"))
@@ -290,6 +299,8 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                         router = "token_router_llm_only"
                     elif mode == "slm-only":
                         router = "token_router_slm_only"
+                    elif mode == "tokenrouter-triton":  # the batcher groups arrivals; the loop steps at once
+                        router = "token_router_triton"
                     start = {m: _events_size(events[m]) for m in MODELS}
                     row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
                            **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok, probe=probe)}
@@ -468,6 +479,21 @@ def markdown(results: Dict[str, Any]) -> str:
                 x, lo, hi = ratio_interval(r, by[(*k, b)])
                 cells.append(_fmt(x) + "×" + ("" if math.isnan(lo) else f" ({_fmt(lo)}–{_fmt(hi)})"))
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " |")
+    tri = [r for r in rows if r["mode"] == "tokenrouter-triton"]
+    if tri:
+        lines += ["", "Transport: tokenrouter-triton (every segment a BLS request through the models' dynamic "
+                  "batcher) / the ZeroMQ transport in the same server (tokenrouter, else eager-async); "
+                  "compare at the same B (--triton-batcher against tokenrouter's B):", "",
+                  "| pair | N | max tokens | zmq mode (B) | triton batcher B | triton / zmq |", "|---|---|---|---|---|---|"]
+        for r in tri:
+            k = (r["pair"], r["N"], r["max_tokens"])
+            z = by.get((*k, "tokenrouter")) or by.get((*k, "eager-async"))
+            if z is None:
+                continue
+            x, lo, hi = ratio_interval(r, z)
+            lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {z['mode']} ({z.get('B_star') or 'all 1'}) | "
+                         f"{results['settings'].get('triton_batcher') or 'all 1'} | {_fmt(x)}×"
+                         + ("" if math.isnan(lo) else f" ({_fmt(lo)}–{_fmt(hi)})") + " |")
     diag = [r for r in rows if r.get("model_stats")]
     if diag:
         lines += ["", "Diagnostics from the models' counters: busy = seconds in steps, batch = requests per "
@@ -524,7 +550,7 @@ def plots(results: Dict[str, Any], out_dir: str) -> List[str]:
     rows, files = results["rows"], []
     for pair in sorted({r["pair"] for r in rows}):
         pr = [r for r in rows if r["pair"] == pair]
-        modes = [m for m in ALL_MODES if any(r["mode"] == m for r in pr)]
+        modes = [m for m in ALL_MODES + EXTRA_MODES if any(r["mode"] == m for r in pr)]
         for L in sorted({r["max_tokens"] for r in pr}):
             files.append(_plot(os.path.join(out_dir, f"throughput_vs_N_{pair}_{L}tok.png"),
                                f"{pair}: {L} output tokens", "concurrency N",
@@ -578,6 +604,12 @@ def main(argv=None) -> int:
     ap.add_argument("--algorithm-params", default="",
                     help="JSON merged into the pair's routing-algorithm parameters, e.g. '{\"tau\": 0.3}' "
                          "(the size-realistic pair's τ 0.4 sends ~9 %% of tokens to the LLM)")
+    ap.add_argument("--triton-batcher", default="",
+                    help="mode tokenrouter-triton: the models' dynamic batcher preferred_batch_size, e.g. "
+                         "llm=3 (default 1 each; fixed for the run: Triton reads it at load)")
+    ap.add_argument("--triton-wait-us", type=int, default=0,
+                    help="mode tokenrouter-triton: max_queue_delay_microseconds of a model whose "
+                         "--triton-batcher B > 1 (required then)")
     ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
@@ -617,9 +649,17 @@ def main(argv=None) -> int:
     if a.duration <= 0 or a.windows < 1 or a.warmup_s < 0:
         ap.error("--duration must be > 0, --windows >= 1, --warmup-s >= 0")
     a.modes = [m for m in a.modes.split(",") if m]
-    bad = set(a.modes) - set(ALL_MODES)
+    bad = set(a.modes) - set(ALL_MODES) - set(EXTRA_MODES)
     if bad:
-        ap.error(f"unknown modes {sorted(bad)}; known: {ALL_MODES}")
+        ap.error(f"unknown modes {sorted(bad)}; known: {ALL_MODES + EXTRA_MODES}")
+    try:
+        a.triton_batcher = {k.strip(): int(v) for k, v in (x.split("=") for x in a.triton_batcher.split(",") if x)}
+    except ValueError:
+        ap.error("--triton-batcher takes model=B pairs, e.g. llm=3")
+    if set(a.triton_batcher) - set(MODELS) or any(v < 1 for v in a.triton_batcher.values()):
+        ap.error(f"--triton-batcher: models are {MODELS}, B >= 1")
+    if any(v > 1 for v in a.triton_batcher.values()) and a.triton_wait_us <= 0:
+        ap.error("--triton-batcher with B > 1 needs --triton-wait-us (the batcher's max queue delay)")
     try:
         a.concurrency = [int(x) for x in (a.concurrency or ("1,4,8,16,32" if a.full else "1,4,8")).split(",")]
         a.max_tokens = [int(x) for x in (a.max_tokens or ("128,512" if a.full else "16,48")).split(",")]
@@ -631,6 +671,7 @@ def main(argv=None) -> int:
         ap.error("--concurrency, --max-tokens and --requests-per-client take positive integers")
     os.makedirs(a.out, exist_ok=True)
     settings = {"pairs": a.pairs, "modes": a.modes, "batch_override": a.batch_override,
+                "triton_batcher": a.triton_batcher, "triton_wait_us": a.triton_wait_us,
                 "algorithm_params": a.algorithm_params, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                 "measurement": "one-shot" if a.one_shot else "steady-state",
                 "requests_per_client": a.requests_per_client if a.one_shot else None,
