@@ -7,6 +7,8 @@ expressions, so every other setting in a file is kept.
 CLI::
 
     python -m tokenrouter.repository --src model_repository --out RUN_DIR --pair size-realistic
+    python -m tokenrouter.repository --src model_repository --out RUN_DIR \
+        --set 'token_router.remote_models={"llm": "tcp://10.0.0.2:5555"}' --set llm.peer_endpoint=tcp://0.0.0.0:5555
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import os
 import shutil
 from typing import Dict, Iterable, Mapping, Optional
 
-__all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_variant", "add_router"]
+__all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_variant", "add_router",
+           "parse_settings"]
 
 #: parameter overrides per demo pair (model name -> config parameters)
 PAIRS: Dict[str, Dict[str, Dict[str, str]]] = {
@@ -111,14 +114,35 @@ def make_variant(src: str, out: str, pair: str = "demo",
     return out
 
 
+def parse_settings(items: Iterable[str]) -> Dict[str, Dict[str, str]]:
+    """``MODEL.KEY=VALUE`` strings → ``{model: {key: value}}`` (later ones win).
+
+    Raises:
+        ValueError: an item without ``.`` before ``=``, or with an empty model or key.
+    """
+    out: Dict[str, Dict[str, str]] = {}
+    for item in items:
+        lhs, sep, value = item.partition("=")
+        model, dot, key = lhs.partition(".")
+        if not sep or not dot or not model.strip() or not key.strip():
+            raise ValueError(f"--set expects MODEL.KEY=VALUE, got {item!r}")
+        out.setdefault(model.strip(), {})[key.strip()] = value
+    return out
+
+
 def main(argv: Optional[Iterable[str]] = None) -> int:
     """CLI: write a repository variant."""
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.repository", description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", default="model_repository")
     ap.add_argument("--out", required=True)
     ap.add_argument("--pair", default="demo", choices=sorted(PAIRS))
+    ap.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                    help="set a config parameter of one model (repeatable)")
     a = ap.parse_args(list(argv) if argv is not None else None)
-    make_variant(a.src, a.out, a.pair)
+    try:
+        make_variant(a.src, a.out, a.pair, model_params=parse_settings(a.set))
+    except ValueError as e:
+        ap.error(str(e))
     print(a.out)
     return 0
 
