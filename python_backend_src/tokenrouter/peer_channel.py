@@ -33,10 +33,10 @@ connection identity frame):
 of a segment the router has already closed are dropped.  ``seg`` 0 is the
 router's heartbeat (``ping``; see :class:`PeerClient`).
 
-Threading: a ZeroMQ socket is used by one thread only.  Each side has one I/O
-thread that owns its sockets; other threads (the model's decode loop, the
-router's request workers) hand it messages through an in-process queue
-(:class:`_Outbox`).
+Threading: a ZeroMQ socket is not thread-safe, so each is used under a lock
+(:class:`_SharedSocket`): the threads that produce messages (the model's decode
+loop, the router's request workers) send them themselves; one I/O thread per
+side waits on the sockets' file descriptors and receives.
 """
 
 from __future__ import annotations
@@ -225,49 +225,86 @@ def _socket(ctx, kind: int, tcp: bool = False):
     return s
 
 
-def _drain(sock, handle: Callable[[List[bytes]], None], what: str, limit: int = 256) -> None:
-    """Receive up to ``limit`` waiting messages of ``sock`` and ``handle`` each (errors logged)."""
-    for _ in range(limit):
+class _SharedSocket:
+    """A ZeroMQ socket that any thread sends on while one owner thread receives from it.
+
+    ZeroMQ sockets are not thread-safe, so every use is under a lock; the owner
+    never blocks in ``poll`` on the socket itself but on its file descriptor
+    (``ZMQ_FD``, which signals "look at ``ZMQ_EVENTS``") and on a wake-up pipe,
+    then receives what is waiting under the lock.  ``ZMQ_FD`` is edge-triggered
+    and a send can consume its signal, so a sender that finds input waiting
+    afterwards wakes the owner through the pipe.  Senders (the model's decode
+    loop, the router's request workers) thus put their messages on the wire
+    themselves, with no hand-off to another Python thread.
+
+    Args:
+        sock: the socket (configured and bound/connected; from now on used only through this object).
+    """
+
+    def __init__(self, sock):
+        self.sock = sock
+        self._lock = threading.Lock()
+        self.fd = sock.getsockopt(zmq.FD)
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+        self.closed = False
+
+    def send(self, frames: List[bytes]) -> bool:
+        """Send one multipart message (any thread); False once closed (the message is dropped)."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.sock.send_multipart(frames, copy=False)
+            pending = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        if pending:
+            self.wake()
+        return True
+
+    def wake(self) -> None:
+        """Make the owner's wait on :attr:`wake_fd` return."""
         try:
-            frames = sock.recv_multipart(zmq.NOBLOCK)
-        except zmq.Again:
-            return
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already signalled (pipe full) or closed
+
+    def receive(self, limit: int = 256) -> List[List[bytes]]:
+        """The messages waiting now, at most ``limit`` (owner thread)."""
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        out: List[List[bytes]] = []
+        with self._lock:
+            while not self.closed and len(out) < limit and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+        if len(out) == limit:
+            self.wake()  # more may be waiting: come back at once
+        return out
+
+    def close(self, before_close: Optional[Callable[[], None]] = None) -> None:
+        """Close the socket (``before_close`` runs under the lock first, e.g. to stop its monitor)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if before_close is not None:
+                before_close()
+            self.sock.close(0)
+        for fd in (self.wake_fd, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _handle_all(messages: List[List[bytes]], handle: Callable[[List[bytes]], None], what: str) -> None:
+    for frames in messages:
         try:
             handle(frames)
         except Exception:  # noqa: BLE001 - one bad message must not stop the channel
             logger.exception("%s: bad message dropped", what)
-
-
-class _Outbox:
-    """Messages from any thread to the one thread that owns a set of ZeroMQ sockets.
-
-    A ZeroMQ socket must not be used by two threads at once, and its owner
-    blocks in ``poll`` on it; other threads therefore post multipart messages to
-    an ``inproc://`` PUSH socket (shared under a lock and only ever sent on)
-    whose PULL end (:attr:`pull`) the owner polls with its other sockets.
-    """
-
-    def __init__(self, ctx):
-        addr = f"inproc://tokenrouter-outbox-{uuid.uuid4().hex}"
-        self.pull = _socket(ctx, zmq.PULL)
-        self.pull.bind(addr)
-        self._push = _socket(ctx, zmq.PUSH)
-        self._push.connect(addr)
-        self._lock = threading.Lock()
-        self._closed = False
-
-    def put(self, frames: List[bytes]) -> None:
-        """Queue ``frames`` for the owner thread (dropped once closed)."""
-        with self._lock:
-            if not self._closed:
-                self._push.send_multipart(frames, copy=False)
-
-    def close(self) -> None:
-        """Close both ends (after the owner thread has stopped)."""
-        with self._lock:
-            self._closed = True
-            self._push.close(0)
-        self.pull.close(0)
 
 
 class _RouterConn:
@@ -340,7 +377,7 @@ class PeerServer:
             self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # a "*" port resolved
         self._handshakes = HandshakeLog(self._sock, f"model {subserver.name} at {self.endpoint}") \
             if self._tcp else None
-        self._outbox = _Outbox(self._ctx)
+        self._shared = _SharedSocket(self._sock)
         self._stop = threading.Event()
         self._routers: Dict[bytes, _RouterConn] = {}
         self._routers_lock = threading.Lock()
@@ -352,35 +389,26 @@ class PeerServer:
 
     # -------------------------------------------------------------- sending
     def _reply(self, ident: bytes, meta: Dict[str, Any], tokens=()) -> None:
-        """Answer on the I/O thread itself (it owns the socket)."""
-        self._sock.send_multipart([ident, _meta_frame(meta), _tokens_frame(list(tokens))], copy=False)
+        self._shared.send([ident, _meta_frame(meta), _tokens_frame(list(tokens))])
 
     def _sink(self, ident: bytes, seg: int, rid: str):
         def sink(kind: str, tokens: List[int], info: Dict[str, Any]) -> None:
             if kind in ("finished", "cancelled", "error"):
                 self._forget(ident, rid)  # the request's state is gone on this model
-            self._outbox.put([ident, _meta_frame({"seg": seg, "kind": kind, **info}), _tokens_frame(tokens)])
+            self._reply(ident, {"seg": seg, "kind": kind, **info}, tokens)
         return sink
 
     # ------------------------------------------------------------- I/O loop
     def _loop(self) -> None:
         poller = zmq.Poller()
-        for s in (self._sock, self._outbox.pull) + ((self._handshakes.socket,) if self._handshakes else ()):
+        for s in (self._shared.fd, self._shared.wake_fd) + ((self._handshakes.socket,) if self._handshakes else ()):
             poller.register(s, zmq.POLLIN)
         what = f"peer channel of {self.subserver.name}"
-        try:
-            while not self._stop.is_set():
-                events = dict(poller.poll(100))
-                if self._outbox.pull in events:
-                    _drain(self._outbox.pull, lambda f: self._sock.send_multipart(f, copy=False), what)
-                if self._sock in events:
-                    _drain(self._sock, self._handle, what)
-                if self._handshakes is not None and self._handshakes.socket in events:
-                    self._handshakes.handle()
-        finally:
-            if self._handshakes is not None:
-                self._handshakes.close()
-            self._sock.close(0)
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            _handle_all(self._shared.receive(), self._handle, what)  # also after a timeout: cheap, never stuck
+            if self._handshakes is not None and self._handshakes.socket in events:
+                self._handshakes.handle()
 
     def _handle(self, frames: List[bytes]) -> None:
         from .protocol import PeerReq
@@ -459,19 +487,19 @@ class PeerServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._watch.join(timeout=2)
+        self._shared.close(self._handshakes.close if self._handshakes is not None else None)
         if self._curve is not None:
             self._curve.stop()
-        self._outbox.close()
         if not self._thread.is_alive():
             self._ctx.term()
         _unlink_ipc(self.endpoint)
 
 
 class _Link:
-    """The router's connection to one model replica: a DEALER socket owned by the client's I/O thread.
+    """The router's connection to one model replica: a DEALER socket (received on by the client's I/O thread).
 
     Attributes:
-        id: key of the socket in the I/O thread.
+        id: the link's number.
         model, endpoint: the model and the replica's endpoint.
         remote: a replica from the static ``remote`` map (found down by heartbeats,
             never restarted by this router, kept connected while down).
@@ -483,10 +511,11 @@ class _Link:
         homes: requests whose state this replica holds (they stay on it).
         orphans: requests it held when it was found down: released there if it comes
             back as the same instance (it was only slow), forgotten if it restarted.
+        shared: its socket; monitor: the handshake-failure log of a TCP socket.
     """
 
     __slots__ = ("id", "model", "endpoint", "remote", "heartbeat", "proc", "down", "heard", "instance",
-                 "homes", "orphans")
+                 "homes", "orphans", "shared", "monitor")
 
     def __init__(self, lid: int, model: str, endpoint: str, remote: bool, proc=None):
         self.id, self.model, self.endpoint, self.remote = lid, model, endpoint, remote
@@ -497,6 +526,8 @@ class _Link:
         self.instance: Optional[str] = None
         self.homes: set = set()
         self.orphans: set = set()
+        self.shared: Optional[_SharedSocket] = None
+        self.monitor: Optional[HandshakeLog] = None
 
 
 def parse_remote_models(text: str) -> Dict[str, List[str]]:
@@ -534,9 +565,10 @@ def parse_remote_models(text: str) -> Dict[str, List[str]]:
 class PeerClient:
     """Router side of the channel: the transport of :func:`tokenrouter.router_core.drive`.
 
-    One DEALER connection per model replica, all owned by one I/O thread
-    (commands from other threads reach it through an in-process queue); a
-    model's answers come back on the connection the command went out on.
+    One DEALER connection per model replica: request workers send their
+    commands on it themselves, one I/O thread receives every model's answers
+    (which come back on the connection the command went out on) and sends the
+    heartbeats.
 
     Models: a model of the static ``remote`` map is reached at its listed
     endpoints (one per replica); any other model's endpoint comes from
@@ -591,8 +623,12 @@ class PeerClient:
         self._curve = curve
         self._me = {"router_pid": os.getpid(), "router_start": process_start_time(os.getpid())}
         self._ctx = zmq.Context()
-        self._outbox = _Outbox(self._ctx)
         self._lock = threading.Lock()  # links, homes, down marks
+        self._version = 0  # bumped when the set of links changes (the I/O thread re-reads it)
+        self._retired: List[_Link] = []  # links whose socket the I/O thread closes
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
         self._resolve_lock = threading.Lock()
         self._ids = itertools.count(1)  # link ids and segment ids
         self._turn = itertools.count()
@@ -606,38 +642,103 @@ class PeerClient:
         with self._lock:
             for model, eps in self.remote.items():
                 self._links[model] = [self._add_link(model, ep, remote=True) for ep in eps]
+                if all(l.down for l in self._links[model]):
+                    self._down[model] = self._links[model][-1].down
         self._stop = threading.Event()
-        self._socks: Dict[int, Any] = {}  # I/O thread only
         self._thread = threading.Thread(target=self._io_loop, name="peer-io", daemon=True)
         self._thread.start()
 
     # ------------------------------------------------------------ I/O thread
     def _add_link(self, model: str, endpoint: str, remote: bool, proc=None) -> _Link:
-        """Create a link and have the I/O thread connect it (caller holds ``_lock``)."""
+        """Create and connect a link (caller holds ``_lock``); the I/O thread picks it up at once.
+
+        A remote replica whose endpoint cannot be used (bad address, CURVE key error) is
+        created down, with the reason.
+
+        Raises:
+            PeerChannelError: the same for a local model.
+        """
         link = _Link(next(self._ids), model, endpoint, remote, proc)
+        tcp = is_tcp(endpoint)
+        sock = _socket(self._ctx, zmq.DEALER, tcp)
+        sock.setsockopt(zmq.ROUTING_ID, b"r" + uuid.uuid4().bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = None
+        try:
+            if tcp and self._curve is not None:
+                self._curve.secure(sock, model)
+            if tcp:
+                monitor = HandshakeLog(sock, f"router: connection to model {model} at {endpoint}")
+            sock.connect(endpoint)
+        except Exception as e:  # noqa: BLE001 - this replica is unusable; the others go on
+            if monitor is not None:
+                monitor.close()
+            sock.close(0)
+            reason = f"model {model} (replica at {endpoint}) is down: cannot connect: {e}"
+            if not remote:
+                raise PeerChannelError(reason) from None
+            logger.error("%s", reason)
+            link.down = reason
+            return link
+        link.shared, link.monitor = _SharedSocket(sock), monitor
         self._by_id[link.id] = link
-        self._outbox.put([b"open", str(link.id).encode()])
+        self._version += 1
+        self._wake()
         return link
 
+    def _retire(self, link: _Link) -> None:
+        """Have the I/O thread close ``link``'s socket (caller holds ``_lock``)."""
+        if self._by_id.pop(link.id, None) is not None:
+            self._retired.append(link)
+            self._version += 1
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    @staticmethod
+    def _close_link(link: _Link) -> None:
+        if link.shared is not None:
+            link.shared.close(link.monitor.close if link.monitor is not None else None)
+
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self._outbox.pull, zmq.POLLIN)
-        monitors: Dict[int, Any] = {}  # link id -> HandshakeLog of its socket
-        owner: Dict[Any, _Link] = {}  # link socket -> link
+        """Receive every model's answers, send heartbeats, watch local processes."""
+        version, links, poller = -1, [], None
         next_beat = next_proc = time.monotonic()
         try:
             while not self._stop.is_set():
+                with self._lock:
+                    retired, self._retired = self._retired, []
+                    if self._version != version:
+                        version, links = self._version, list(self._by_id.values())
+                        poller = None
+                for link in retired:
+                    self._close_link(link)
+                if poller is None:
+                    poller = zmq.Poller()
+                    poller.register(self._wake_r, zmq.POLLIN)
+                    for link in links:
+                        poller.register(link.shared.fd, zmq.POLLIN)
+                        poller.register(link.shared.wake_fd, zmq.POLLIN)
+                        if link.monitor is not None:
+                            poller.register(link.monitor.socket, zmq.POLLIN)
                 now = time.monotonic()
                 wait_ms = max(0, min(100, int(1000 * (min(next_beat, next_proc) - now)) + 1))
                 events = dict(poller.poll(wait_ms))
-                if self._outbox.pull in events:
-                    _drain(self._outbox.pull, lambda f: self._control(f, poller, owner, monitors), "peer-io")
-                for sock, link in list(owner.items()):
-                    if sock in events:
-                        _drain(sock, lambda f, link=link: self._dispatch(link, f), f"peer channel ({link.model})")
-                for log in list(monitors.values()):
-                    if log.socket in events:
-                        log.handle()
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except (BlockingIOError, OSError):
+                        pass
+                for link in links:
+                    _handle_all(link.shared.receive(), lambda f, link=link: self._dispatch(link, f),
+                                f"peer channel ({link.model})")
+                    if link.monitor is not None and link.monitor.socket in events:
+                        link.monitor.handle()
                 now = time.monotonic()
                 if now >= next_beat:
                     next_beat = now + self.heartbeat_s
@@ -646,52 +747,12 @@ class PeerClient:
                     next_proc = now + self.liveness_interval_s
                     self._check_procs()
         finally:
-            for log in monitors.values():
-                log.close()
-            for sock in owner:
-                sock.close(0)
-
-    def _control(self, frames: List[bytes], poller, owner: Dict[Any, _Link], monitors: Dict[int, Any]) -> None:
-        """One message of the outbox: ``send``, ``open`` or ``close`` a link's socket (I/O thread)."""
-        op, lid = frames[0], int(frames[1])
-        if op == b"send":
-            sock = self._socks.get(lid)
-            if sock is not None:  # else: closed meanwhile (the model went down)
-                sock.send_multipart(frames[2:], copy=False)
-            return
-        if op == b"close":
-            sock = self._socks.pop(lid, None)
-            self._by_id.pop(lid, None)
-            if sock is not None:
-                poller.unregister(sock)
-                owner.pop(sock, None)
-                log = monitors.pop(lid, None)
-                if log is not None:
-                    poller.unregister(log.socket)
-                    log.close()
-                sock.close(0)
-            return
-        link = self._by_id.get(lid)
-        if link is None:
-            return
-        tcp = is_tcp(link.endpoint)
-        sock = _socket(self._ctx, zmq.DEALER, tcp)
-        sock.setsockopt(zmq.ROUTING_ID, b"r" + uuid.uuid4().bytes)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
-        try:
-            if tcp and self._curve is not None:
-                self._curve.secure(sock, link.model)
-            sock.connect(link.endpoint)
-        except Exception as e:  # noqa: BLE001 - this replica is unusable; the others go on
-            sock.close(0)
-            self._link_down(link, f"model {link.model} (replica at {link.endpoint}) is down: cannot connect: {e}")
-            return
-        self._socks[lid] = sock
-        owner[sock] = link
-        poller.register(sock, zmq.POLLIN)
-        if tcp:
-            log = monitors[lid] = HandshakeLog(sock, f"router: connection to model {link.model} at {link.endpoint}")
-            poller.register(log.socket, zmq.POLLIN)
+            with self._lock:
+                left = list(self._by_id.values()) + self._retired
+                self._by_id.clear()
+                self._retired = []
+            for link in left:
+                self._close_link(link)
 
     def _dispatch(self, link: _Link, frames: List[bytes]) -> None:
         meta = json.loads(frames[0])
@@ -712,9 +773,7 @@ class PeerClient:
         with self._lock:
             links = [l for l in self._by_id.values() if l.heartbeat]
         for link in links:
-            sock = self._socks.get(link.id)
-            if sock is not None:
-                sock.send_multipart(ping)
+            link.shared.send(ping)
             if link.down is None and now - link.heard > self.heartbeat_timeout_s:
                 self._link_down(link, f"model {link.model} (replica at {link.endpoint}) is down: no answer "
                                       f"for {self.heartbeat_timeout_s:g} s")
@@ -743,10 +802,8 @@ class PeerClient:
                 logger.warning("model %s: replica at %s answers again", link.model, link.endpoint)
             if link.down is None:
                 link.instance = instance
-        sock = self._socks.get(link.id)
         for rid in releases:  # it was only slow: free what the failed requests held there
-            if sock is not None:
-                sock.send_multipart([_meta_frame({"op": "release", "rid": rid, **self._me}), b""])
+            link.shared.send([_meta_frame({"op": "release", "rid": rid, **self._me}), b""])
         if back:
             logger.warning("model %s is up again", link.model)
             if self._on_up is not None:
@@ -775,7 +832,7 @@ class PeerClient:
                 link.orphans = set()
                 if link in self._links.get(link.model, []):
                     self._links[link.model].remove(link)
-                self._outbox.put([b"close", str(link.id).encode()])
+                self._retire(link)
             links = self._links.get(link.model, [])
             left = sum(1 for l in links if l.down is None)
             model_down = left == 0 and link.model not in self._down
@@ -828,7 +885,7 @@ class PeerClient:
         with self._lock:
             for old in self._links.pop(model, []):
                 old.down = old.down or "replaced"
-                self._outbox.put([b"close", str(old.id).encode()])
+                self._retire(old)
             self._add_local(model, resolved)
             self._down.pop(model, None)
         logger.warning("model %s is up again", model)
@@ -924,8 +981,10 @@ class PeerClient:
             link.homes.discard(rid)
 
     def _send(self, link: _Link, meta: Dict[str, Any], tokens=()) -> None:
-        self._outbox.put([b"send", str(link.id).encode(), _meta_frame({**meta, **self._me}),
-                          _tokens_frame(list(tokens))])
+        """Send a command on ``link`` from this thread (dropped if the link was closed meanwhile:
+        it is down then, and its segments have been told so)."""
+        if link.shared is not None:
+            link.shared.send([_meta_frame({**meta, **self._me}), _tokens_frame(list(tokens))])
 
     def _open(self, link: _Link) -> Tuple[int, "queue.Queue"]:
         """Register a segment on ``link`` (after its down mark is checked: no lost wake-up)."""
@@ -1037,7 +1096,9 @@ class PeerClient:
         if self._stop.is_set():
             return
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=5)
-        self._outbox.close()
         if not self._thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
             self._ctx.term()
