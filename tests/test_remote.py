@@ -48,6 +48,8 @@ READY_S = float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600"))
 REPLICA_MIN_AVAILABLE_GIB = 5.0
 #: a small KV pool for the extra servers (tokens): memory only, outputs are unchanged
 KV_POOL = "4096"
+#: a remote replica silent this long is down (the default 2 s, raised: test hosts are often overloaded)
+HEARTBEAT_TIMEOUT_S = "5"
 PROMPTS = ["What is the capital of France?", "Name three planets.", "Write a haiku about the sea."]
 GREEDY = {"max_tokens": 24, "temperature": 0}
 
@@ -109,7 +111,8 @@ class _Cluster:
             "slm": {"kv_pool_tokens": KV_POOL},
             "token_router": {"remote_models": json.dumps({"llm": self.endpoints}),
                              "curve_secret_key_file": self.keys["router_secret"],
-                             "curve_server_public_keys": self.keys["server_public"]}})
+                             "curve_server_public_keys": self.keys["server_public"],
+                             "heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S}})
         self.a = self._start("a", repo, ["slm", "token_router"])
 
     def _start(self, name: str, repo: str, models) -> TritonServer:
@@ -252,7 +255,7 @@ def test_llm_server_killed_then_back(cluster):
             time.sleep(0.5)
     _kill_server(cluster.b)
     error = None
-    deadline = time.monotonic() + 120  # far below peer_timeout_s (600 s): found by the heartbeat
+    deadline = time.monotonic() + 120  # far below peer_timeout_s (600 s): found by the heartbeats
     while error is None:
         result, error = q.get(timeout=max(1.0, deadline - time.monotonic()))
     c.stop_stream()

@@ -1,7 +1,7 @@
 """Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
 
 The router reaches the model over the ZeroMQ inter-model channel
-(:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``, default a
+(:mod:`tokenrouter.peer_channel`: a ROUTER socket at ``peer_endpoint``, default a
 fresh ``ipc://`` path, which op ``endpoint`` reports).  The same operations are
 also served as Triton requests (admin tools, tests).
 
