@@ -15,6 +15,11 @@ Command line (prints JSON)::
 ``solve`` take with ``--calibration``.)
 
     python -m tokenrouter.admin ready                       # readiness probe covering every model
+    python -m tokenrouter.admin keys DIR                    # CURVE keys for models served over TCP
+
+``keys`` writes DIR/server.key(_secret) (the models'), DIR/router.key(_secret) (the
+routers') and DIR/authorized_keys/router.key; existing keys are kept unless ``--force``
+(see :mod:`tokenrouter.curve`).
 """
 
 from __future__ import annotations
@@ -156,16 +161,19 @@ def router_ready(url: str, router: str = "token_router", timeout_s: float = 30.0
 
 def main(argv=None) -> int:
     """CLI: ``stats`` or ``configure`` for each of ``--models``; prints ``{model: answer}`` as JSON.
-    ``ready``: readiness probe through the router (exit status 0 ready, 1 not)."""
+    ``ready``: readiness probe through the router (exit status 0 ready, 1 not).
+    ``keys DIR``: write CURVE key files (prints their paths as JSON)."""
     import argparse
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.admin", description=__doc__.split("\n\n")[0])
-    ap.add_argument("op", choices=["stats", "configure", "calibrate", "events", "ready"])
+    ap.add_argument("op", choices=["stats", "configure", "calibrate", "events", "ready", "keys"])
     ap.add_argument("settings", nargs="?", default="",
                     help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'; "
                          "calibrate: optional JSON {\"batch_sizes\": [...], \"context\": C, \"decode_steps\": K}; "
-                         "events: optional JSON {\"since\": cursor, \"limit\": n}")
+                         "events: optional JSON {\"since\": cursor, \"limit\": n}; "
+                         "keys: the folder to write CURVE keys into")
+    ap.add_argument("--force", action="store_true", help="keys: replace existing keys")
     default_url = f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT') or 8001}"
     ap.add_argument("--url", default=default_url,
                     help=f"Triton gRPC address (default {default_url}: $TOKENROUTER_GRPC_PORT or 8001)")
@@ -175,6 +183,17 @@ def main(argv=None) -> int:
                     help="ready: a degraded answer (fallback mode, a model down) counts as ready")
     ap.add_argument("--timeout", type=float, default=30.0, help="ready: seconds to wait (default 30)")
     a = ap.parse_intermixed_args(argv)
+    if a.op == "keys":
+        from .curve import make_keys
+
+        if not a.settings:
+            ap.error("keys needs the folder to write the keys into")
+        try:
+            print(json.dumps(make_keys(a.settings, force=a.force), indent=1))
+        except FileExistsError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+        return 0
     if a.op == "ready":
         rep = router_ready(a.url, a.router, a.timeout, a.allow_degraded)
         print(json.dumps(rep))

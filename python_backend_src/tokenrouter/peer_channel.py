@@ -2,28 +2,41 @@
 
 Paper §Design, "Three decoupled loops": the inter-model loop forwards a
 handing-off model's PeerReq to the peer over ZeroMQ.  Here each model
-subserver listens on its own endpoint (:class:`PeerServer`, a PULL socket
+subserver listens on its own endpoint (:class:`PeerServer`, a ROUTER socket
 inside the model's Triton stub process) and the router drives requests through
 a :class:`PeerClient` — the *transport* of :func:`tokenrouter.router_core.drive`.
 
-Wire format (multipart messages, two frames each):
+Endpoints: ``ipc://`` (default: a fresh path in the temporary directory; the
+router finds it through the model's advert file or a BLS call) for models in
+the router's tritonserver, ``tcp://`` for models served by other servers (the
+router's ``remote_models``; CURVE-authenticated and encrypted by default, see
+:mod:`tokenrouter.curve`).
+
+Connections: the router connects one DEALER socket per model replica; every
+answer comes back on the connection its command went out on, so only the
+router dials (no connection from a model to a router: NAT and Kubernetes
+services are fine).
+
+Wire format (multipart messages; the model's ROUTER socket adds/strips the
+connection identity frame):
 
 * command, router → model: ``[meta JSON, tokens]`` with meta
-  ``{"op": "run"|"release"|"stats"|"configure"|"events"|"ping", "seg": int, "reply": endpoint,
-  "rid": str, "header": PeerReq header JSON | "settings": {...}}`` and tokens the
-  int64 little-endian token suffix the model has not seen (``run`` only);
+  ``{"op": "run"|"release"|"ping"|"stats"|"configure"|"events", "seg": int, "rid": str,
+  "header": PeerReq header JSON | "settings": {...}, "router_pid", "router_start"}``
+  and tokens the int64 little-endian token suffix the model has not seen
+  (``run`` only);
 * response, model → router: ``[meta JSON, tokens]`` with meta
   ``{"seg": int, "kind": "tokens"|"handoff"|"finished"|"cancelled"|"error"|"result", …}``
   and tokens the committed token ids of this chunk.
 
 ``seg`` identifies one visit of a request to a model (a *segment*); responses
-of a segment the router has already closed are dropped.
+of a segment the router has already closed are dropped.  ``seg`` 0 is the
+router's heartbeat (``ping``; see :class:`PeerClient`).
 
-Threading: a model's PULL socket belongs to its I/O thread; the reply sockets
-(one PUSH per router endpoint) are shared by the decode loop and the I/O thread
-under a lock and are only ever sent on.  On the router side, the PULL reply
-socket belongs to one demultiplexing thread; command sockets (one PUSH per
-model) are only sent on, under a lock.
+Threading: a ZeroMQ socket is not thread-safe, so each is used under a lock
+(:class:`_SharedSocket`): the threads that produce messages (the model's decode
+loop, the router's request workers) send them themselves; one I/O thread per
+side waits on the sockets' file descriptors and receives.
 """
 
 from __future__ import annotations
@@ -42,10 +55,13 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import zmq
 
+from .curve import HandshakeLog, is_tcp
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["PeerServer", "PeerClient", "PeerChannelError", "PeerDownError", "default_endpoint",
-           "process_start_time", "process_alive", "advert_path", "write_advert", "read_advert"]
+           "process_start_time", "process_alive", "advert_path", "write_advert", "read_advert",
+           "parse_remote_models"]
 
 #: segment-final response kinds
 FINAL = ("handoff", "finished", "cancelled", "error", "result")
@@ -184,23 +200,8 @@ def _tokens_list(frame: bytes) -> List[int]:
     return np.frombuffer(frame, dtype="<i8").tolist() if frame else []
 
 
-def _recv_loop(sock, stop: threading.Event, handle: Callable[[List[bytes]], None], what: str) -> None:
-    """Receive multipart messages on ``sock`` until ``stop`` is set; ``handle`` each (errors logged)."""
-    poller = zmq.Poller()
-    poller.register(sock, zmq.POLLIN)
-    while not stop.is_set():
-        if not poller.poll(100):
-            continue
-        try:
-            frames = sock.recv_multipart()
-        except zmq.ZMQError:
-            if stop.is_set():
-                return
-            raise
-        try:
-            handle(frames)
-        except Exception:  # noqa: BLE001 - one bad message must not stop the channel
-            logger.exception("%s: bad message dropped", what)
+def _meta_frame(meta: Dict[str, Any]) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()
 
 
 def _unlink_ipc(endpoint: str) -> None:
@@ -211,24 +212,144 @@ def _unlink_ipc(endpoint: str) -> None:
             pass
 
 
+def _socket(ctx, kind: int, tcp: bool = False):
+    """A socket that never blocks a sender nor drops a message for a full queue (no HWM),
+    closes at once; on TCP with ZeroMQ heartbeats so a dead connection is noticed and redialled."""
+    s = ctx.socket(kind)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.setsockopt(zmq.RCVHWM, 0)
+    if tcp:
+        s.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+        s.setsockopt(zmq.HEARTBEAT_TIMEOUT, 5000)
+    return s
+
+
+class _SharedSocket:
+    """A ZeroMQ socket that any thread sends on while one owner thread receives from it.
+
+    ZeroMQ sockets are not thread-safe, so every use is under a lock; the owner
+    never blocks in ``poll`` on the socket itself but on its file descriptor
+    (``ZMQ_FD``, which signals "look at ``ZMQ_EVENTS``") and on a wake-up pipe,
+    then receives what is waiting under the lock.  ``ZMQ_FD`` is edge-triggered
+    and a send can consume its signal, so a sender that finds input waiting
+    afterwards wakes the owner through the pipe.  Senders (the model's decode
+    loop, the router's request workers) thus put their messages on the wire
+    themselves, with no hand-off to another Python thread.
+
+    Args:
+        sock: the socket (configured and bound/connected; from now on used only through this object).
+    """
+
+    def __init__(self, sock):
+        self.sock = sock
+        self._lock = threading.Lock()
+        self.fd = sock.getsockopt(zmq.FD)
+        self.wake_fd, self._wake_w = os.pipe()
+        os.set_blocking(self.wake_fd, False)
+        os.set_blocking(self._wake_w, False)
+        self.closed = False
+
+    def send(self, frames: List[bytes]) -> bool:
+        """Send one multipart message (any thread); False once closed (the message is dropped)."""
+        with self._lock:
+            if self.closed:
+                return False
+            self.sock.send_multipart(frames, copy=False)
+            pending = self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN
+        if pending:
+            self.wake()
+        return True
+
+    def wake(self) -> None:
+        """Make the owner's wait on :attr:`wake_fd` return."""
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already signalled (pipe full) or closed
+
+    def receive(self, limit: int = 256) -> List[List[bytes]]:
+        """The messages waiting now, at most ``limit`` (owner thread)."""
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        out: List[List[bytes]] = []
+        with self._lock:
+            while not self.closed and len(out) < limit and self.sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                out.append(self.sock.recv_multipart(zmq.NOBLOCK))
+        if len(out) == limit:
+            self.wake()  # more may be waiting: come back at once
+        return out
+
+    def close(self, before_close: Optional[Callable[[], None]] = None) -> None:
+        """Close the socket (``before_close`` runs under the lock first, e.g. to stop its monitor)."""
+        with self._lock:
+            if self.closed:
+                return
+            self.closed = True
+            if before_close is not None:
+                before_close()
+            self.sock.close(0)
+        for fd in (self.wake_fd, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _handle_all(messages: List[List[bytes]], handle: Callable[[List[bytes]], None], what: str) -> None:
+    for frames in messages:
+        try:
+            handle(frames)
+        except Exception:  # noqa: BLE001 - one bad message must not stop the channel
+            logger.exception("%s: bad message dropped", what)
+
+
+class _RouterConn:
+    """A router connected to a :class:`PeerServer` (one ROUTER identity): its process and requests."""
+
+    __slots__ = ("pid", "start", "rids", "heard")
+
+    def __init__(self, meta: Dict[str, Any]):
+        self.pid = int(meta["router_pid"]) if meta.get("router_pid") else None
+        self.start = meta.get("router_start")
+        self.rids: set = set()
+        self.heard = time.monotonic()
+
+
 class PeerServer:
     """Model side of the channel: receives PeerReqs for one :class:`~tokenrouter.subserver.Subserver`.
 
-    ``run`` submits the PeerReq with a sink that streams the segment's
-    responses to the command's ``reply`` endpoint; ``release`` frees the
-    request's state (fire and forget); ``stats``, ``configure`` and ``events``
-    answer one ``result`` (``configure`` takes the keyword arguments of
-    ``Subserver.reconfigure`` or, when ``configure_fn`` is given, whatever it
-    accepts; ``events`` is answered by ``events_fn``).
+    A ROUTER socket bound at ``endpoint``; each router connects a DEALER socket
+    per model replica and every answer goes back on the connection its command
+    came from (no connection from the model to the router: fine behind NAT and
+    Kubernetes services).  ``run`` submits the PeerReq with a sink that streams
+    the segment's responses back; ``release`` frees the request's state (fire
+    and forget); ``ping``, ``stats`` and ``configure`` answer one ``result``
+    (``configure`` takes the keyword arguments of ``Subserver.reconfigure`` or,
+    when ``configure_fn`` is given, whatever it accepts; ``events`` is answered
+    by ``events_fn``).  ``ping`` answers
+    ``{"pid", "instance", "model"}``: ``instance`` identifies this server object,
+    so a router can tell a restarted model from one that was only slow.
+
+    Requests of a router that went away are released: on ``ipc://`` endpoints
+    when its process (pid and start time in each command) exits; on ``tcp://``
+    endpoints, where pids mean nothing, when it has sent nothing (routers ping
+    every half second) for ``router_timeout_s`` seconds.
 
     Args:
         subserver: the model's subserver.
-        endpoint: ZeroMQ endpoint to bind (default: a fresh ``ipc://`` path).
+        endpoint: ZeroMQ endpoint to bind (default: a fresh ``ipc://`` path);
+            ``tcp://0.0.0.0:PORT`` for routers on other hosts.
         configure_fn: optional callable(settings dict) applying a ``configure`` command.
         events_fn: optional callable(settings) → result dict answering an ``events``
             command (the model's recent routing events, see
             :class:`tokenrouter.event_ring.EventRing`); without it ``events`` is an
             unknown op.
+        curve: :class:`~tokenrouter.curve.CurveServer` settings (TCP only), or None.
+        router_timeout_s: TCP: seconds of silence after which a router's requests are released.
 
     Raises:
         zmq.ZMQError: the endpoint cannot be bound.
@@ -236,20 +357,36 @@ class PeerServer:
 
     def __init__(self, subserver, endpoint: Optional[str] = None,
                  configure_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
-                 events_fn: Optional[Callable[[Any], Dict[str, Any]]] = None):
+                 events_fn: Optional[Callable[[Any], Dict[str, Any]]] = None,
+                 curve=None, router_timeout_s: float = 10.0):
         self.subserver = subserver
         self._events = events_fn
         self.endpoint = endpoint or default_endpoint(subserver.name)
+        self.instance = uuid.uuid4().hex
+        self.router_timeout_s = float(router_timeout_s)
+        self._tcp = is_tcp(self.endpoint)
         self._configure = configure_fn or (lambda s: subserver.reconfigure(**s))
-        self._ctx = zmq.Context.instance()
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(self.endpoint)
-        self._replies: Dict[str, Any] = {}
-        self._send_lock = threading.Lock()
+        self._curve = curve
+        self._ctx = zmq.Context()  # its own: the ZAP handler (CURVE) belongs to a context
+        self._sock = _socket(self._ctx, zmq.ROUTER, self._tcp)
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a router's redialled connection takes its place
+        try:
+            if curve is not None:
+                curve.secure(self._ctx, self._sock)
+            self._sock.bind(self.endpoint)
+        except Exception:
+            self._sock.close(0)
+            if curve is not None:
+                curve.stop()
+            self._ctx.term()
+            raise
+        if self._tcp:
+            self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)  # a "*" port resolved
+        self._handshakes = HandshakeLog(self._sock, f"model {subserver.name} at {self.endpoint}") \
+            if self._tcp else None
+        self._shared = _SharedSocket(self._sock)
         self._stop = threading.Event()
-        # requests by the router process that sent them: released when that process dies
-        self._routers: Dict[Tuple[int, Optional[int]], set] = {}
+        self._routers: Dict[bytes, _RouterConn] = {}
         self._routers_lock = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name=f"peer-io-{subserver.name}", daemon=True)
         self._thread.start()
@@ -258,97 +395,101 @@ class PeerServer:
         self._watch.start()
 
     # -------------------------------------------------------------- sending
-    def _send(self, reply: str, meta: Dict[str, Any], tokens) -> None:
-        data = [json.dumps(meta, separators=(",", ":")).encode(), _tokens_frame(tokens)]
-        with self._send_lock:
-            sock = self._replies.get(reply)
-            if sock is None:
-                sock = self._ctx.socket(zmq.PUSH)
-                sock.setsockopt(zmq.LINGER, 0)
-                sock.connect(reply)
-                self._replies[reply] = sock
-            sock.send_multipart(data, copy=False)
+    def _reply(self, ident: bytes, meta: Dict[str, Any], tokens=()) -> None:
+        self._shared.send([ident, _meta_frame(meta), _tokens_frame(list(tokens))])
 
-    def _sink(self, reply: str, seg: int, meta: Optional[Dict[str, Any]] = None, rid: str = ""):
+    def _sink(self, ident: bytes, seg: int, rid: str):
         def sink(kind: str, tokens: List[int], info: Dict[str, Any]) -> None:
-            if rid and kind in ("finished", "cancelled", "error"):
-                self._forget(meta or {}, rid)  # the request's state is gone on this model
-            self._send(reply, {"seg": seg, "kind": kind, **info}, tokens)
+            if kind in ("finished", "cancelled", "error"):
+                self._forget(ident, rid)  # the request's state is gone on this model
+            self._reply(ident, {"seg": seg, "kind": kind, **info}, tokens)
         return sink
 
     # ------------------------------------------------------------- I/O loop
     def _loop(self) -> None:
-        _recv_loop(self._pull, self._stop, self._handle, f"peer channel of {self.subserver.name}")
+        poller = zmq.Poller()
+        for s in (self._shared.fd, self._shared.wake_fd) + ((self._handshakes.socket,) if self._handshakes else ()):
+            poller.register(s, zmq.POLLIN)
+        what = f"peer channel of {self.subserver.name}"
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            _handle_all(self._shared.receive(), self._handle, what)  # also after a timeout: cheap, never stuck
+            if self._handshakes is not None and self._handshakes.socket in events:
+                self._handshakes.handle()
 
     def _handle(self, frames: List[bytes]) -> None:
         from .protocol import PeerReq
 
-        meta = json.loads(frames[0])
-        op, seg, reply = meta.get("op"), int(meta.get("seg", 0)), meta.get("reply")
+        ident, meta = frames[0], json.loads(frames[1])
+        op, seg = meta.get("op"), int(meta.get("seg", 0))
+        self._heard(ident, meta)
         if op == "ping":
-            if reply:
-                self._send(reply, {"seg": seg, "kind": "result", "result": {"pid": os.getpid()}}, [])
+            self._reply(ident, {"seg": seg, "kind": "result", "result": {
+                "pid": os.getpid(), "instance": self.instance, "model": self.subserver.name}})
             return
         if op == "release":
-            self._forget(meta, str(meta["rid"]))
+            self._forget(ident, str(meta["rid"]))
             self.subserver.release(str(meta["rid"]))
             return
-        if not reply:
-            raise ValueError(f"command {op!r} without a reply endpoint")
         try:
             if op == "run":
-                pr = PeerReq.from_wire(meta.get("header") or "{}", _tokens_list(frames[1] if len(frames) > 1 else b""))
+                pr = PeerReq.from_wire(meta.get("header") or "{}", _tokens_list(frames[2] if len(frames) > 2 else b""))
                 if meta.get("rid") and pr.rid != meta["rid"]:
                     pr.rid = str(meta["rid"])
-                self._remember(meta, pr.rid)
-                self.subserver.submit(pr, self._sink(reply, seg, meta, pr.rid))
+                self._remember(ident, pr.rid)
+                self.subserver.submit(pr, self._sink(ident, seg, pr.rid))
             elif op == "stats":
-                self._send(reply, {"seg": seg, "kind": "result", "result": self.subserver.stats()}, [])
+                self._reply(ident, {"seg": seg, "kind": "result", "result": self.subserver.stats()})
             elif op == "configure":
                 self._configure(meta.get("settings") or {})
-                self._send(reply, {"seg": seg, "kind": "result", "result": {}}, [])
+                self._reply(ident, {"seg": seg, "kind": "result", "result": {}})
             elif op == "events" and self._events is not None:
-                self._send(reply, {"seg": seg, "kind": "result", "result": self._events(meta.get("settings"))}, [])
+                self._reply(ident, {"seg": seg, "kind": "result", "result": self._events(meta.get("settings"))})
             else:
-                ops = "run, release, stats, configure" + (", events" if self._events is not None else "")
-                raise ValueError(f"unknown op {op!r}; expected {ops} or ping")
+                ops = "run, release, ping, stats, configure" + (", events" if self._events is not None else "")
+                raise ValueError(f"unknown op {op!r}; expected {ops}")
         except Exception as e:  # noqa: BLE001 - answer this command only
-            self._send(reply, {"seg": seg, "kind": "error", "message": f"model {self.subserver.name}: {e}"}, [])
+            self._reply(ident, {"seg": seg, "kind": "error", "message": f"model {self.subserver.name}: {e}"})
 
     # ------------------------------------------------ routers that went away
-    @staticmethod
-    def _router_key(meta: Dict[str, Any]) -> Optional[Tuple[int, Optional[int]]]:
-        pid = meta.get("router_pid")
-        return (int(pid), meta.get("router_start")) if pid else None
-
-    def _remember(self, meta: Dict[str, Any], rid: str) -> None:
-        key = self._router_key(meta)
-        if key is not None:
-            with self._routers_lock:
-                self._routers.setdefault(key, set()).add(rid)
-
-    def _forget(self, meta: Dict[str, Any], rid: str) -> None:
-        key = self._router_key(meta)
+    def _heard(self, ident: bytes, meta: Dict[str, Any]) -> None:
         with self._routers_lock:
-            for k, rids in list(self._routers.items()):
-                if key is None or k == key:
-                    rids.discard(rid)
-                    if not rids:
-                        del self._routers[k]
+            conn = self._routers.get(ident)
+            if conn is None:
+                conn = self._routers[ident] = _RouterConn(meta)
+            conn.heard = time.monotonic()
+
+    def _remember(self, ident: bytes, rid: str) -> None:
+        with self._routers_lock:
+            conn = self._routers.get(ident)
+            if conn is not None:
+                conn.rids.add(rid)
+
+    def _forget(self, ident: bytes, rid: str) -> None:
+        with self._routers_lock:
+            conn = self._routers.get(ident)
+            if conn is not None:
+                conn.rids.discard(rid)
+
+    def _gone(self, conn: _RouterConn, now: float) -> bool:
+        if self._tcp:
+            return now - conn.heard > self.router_timeout_s
+        return conn.pid is not None and not process_alive(conn.pid, conn.start)
 
     def _watch_routers(self, interval_s: float = 0.5) -> None:
-        """Release every request of a router process that died (its KV would otherwise stay held)."""
+        """Release every request of a router that went away (its KV would otherwise stay held)."""
         while not self._stop.wait(interval_s):
+            now = time.monotonic()
             with self._routers_lock:
-                gone = [k for k in self._routers if not process_alive(*k)]
-                rids = [rid for k in gone for rid in self._routers.pop(k)]
+                gone = [k for k, c in self._routers.items() if self._gone(c, now)]
+                rids = [rid for k in gone for rid in self._routers.pop(k).rids]
             for rid in rids:
                 try:
                     self.subserver.release(rid)
                 except Exception:  # noqa: BLE001
                     logger.exception("release of %s (router gone) failed", rid)
             if rids:
-                logger.warning("model %s: released %d request(s) of a router process that exited",
+                logger.warning("model %s: released %d request(s) of a router that went away",
                                self.subserver.name, len(rids))
 
     def close(self) -> None:
@@ -356,115 +497,513 @@ class PeerServer:
         self._stop.set()
         self._thread.join(timeout=5)
         self._watch.join(timeout=2)
-        with self._send_lock:
-            for s in self._replies.values():
-                s.close(0)
-            self._replies.clear()
-        self._pull.close(0)
+        self._shared.close(self._handshakes.close if self._handshakes is not None else None)
+        if self._curve is not None:
+            self._curve.stop()
+        if not self._thread.is_alive():
+            self._ctx.term()
         _unlink_ipc(self.endpoint)
+
+
+class _Link:
+    """The router's connection to one model replica: a DEALER socket (received on by the client's I/O thread).
+
+    Attributes:
+        id: the link's number.
+        model, endpoint: the model and the replica's endpoint.
+        remote: a replica from the static ``remote`` map (found down by heartbeats,
+            never restarted by this router, kept connected while down).
+        heartbeat: pinged every ``heartbeat_s`` (remote replicas and any ``tcp://`` endpoint).
+        proc: ``(pid, start time)`` of a local model's process (watched), or None.
+        down: why the replica is down, or None while it is up.
+        heard: ``time.monotonic()`` of the last message from it.
+        instance: the replica's ``PeerServer.instance`` (from its pings).
+        homes: requests whose state this replica holds (they stay on it).
+        orphans: requests it held when it was found down: released there if it comes
+            back as the same instance (it was only slow), forgotten if it restarted.
+        shared: its socket; monitor: the handshake-failure log of a TCP socket.
+    """
+
+    __slots__ = ("id", "model", "endpoint", "remote", "heartbeat", "proc", "down", "heard", "instance",
+                 "homes", "orphans", "shared", "monitor")
+
+    def __init__(self, lid: int, model: str, endpoint: str, remote: bool, proc=None):
+        self.id, self.model, self.endpoint, self.remote = lid, model, endpoint, remote
+        self.heartbeat = remote or is_tcp(endpoint)
+        self.proc = proc
+        self.down: Optional[str] = None
+        self.heard = time.monotonic()
+        self.instance: Optional[str] = None
+        self.homes: set = set()
+        self.orphans: set = set()
+        self.shared: Optional[_SharedSocket] = None
+        self.monitor: Optional[HandshakeLog] = None
+
+
+def parse_remote_models(text: str) -> Dict[str, List[str]]:
+    """The router's ``remote_models`` parameter: ``{"llm": "tcp://h:p"}`` or ``{"llm": ["tcp://h1:p", …]}``.
+
+    Returns:
+        ``{model: [endpoint, …]}`` (one endpoint per replica, order kept).
+
+    Raises:
+        ValueError: not a JSON object of endpoint strings or non-empty lists of them,
+            an endpoint without a ``tcp://``/``ipc://`` scheme, or one listed twice.
+    """
+    if not str(text or "").strip():
+        return {}
+    try:
+        raw = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"remote_models is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError('remote_models must be a JSON object like {"llm": "tcp://host:port"}')
+    out: Dict[str, List[str]] = {}
+    for model, eps in raw.items():
+        eps = [eps] if isinstance(eps, str) else eps
+        if not isinstance(eps, list) or not eps or not all(isinstance(e, str) for e in eps):
+            raise ValueError(f"remote_models[{model!r}] must be an endpoint or a non-empty list of endpoints")
+        for e in eps:
+            if not e.startswith(("tcp://", "ipc://")):
+                raise ValueError(f"remote_models[{model!r}]: endpoint {e!r} must start with tcp:// or ipc://")
+        if len(set(eps)) != len(eps):
+            raise ValueError(f"remote_models[{model!r}] lists an endpoint twice")
+        out[str(model)] = list(eps)
+    return out
 
 
 class PeerClient:
     """Router side of the channel: the transport of :func:`tokenrouter.router_core.drive`.
 
-    Liveness: when ``resolve`` reports the model's process id (same host, as
-    with ``ipc://`` endpoints), a monitor thread checks every
-    ``liveness_interval_s`` seconds that the process still runs.  When it has
-    gone, the model is marked *down*: every open segment on it ends at once
-    with :class:`PeerDownError` naming the model, new commands to it raise the
-    same error without waiting, and ``on_down(model, reason)`` is called (the
-    router starts its recovery there).  :meth:`mark_up` / :meth:`rediscover`
-    bring it back with a freshly resolved endpoint.
+    One DEALER connection per model replica: request workers send their
+    commands on it themselves, one I/O thread receives every model's answers
+    (which come back on the connection the command went out on) and sends the
+    heartbeats.
+
+    Models: a model of the static ``remote`` map is reached at its listed
+    endpoints (one per replica); any other model's endpoint comes from
+    ``resolve`` (once, then cached until the model is marked down and up again).
+
+    Replicas: a request's first segment on a model goes to the live replica
+    holding the fewest requests (ties in turn); later segments and its release
+    go to the same replica, which holds its state (KV, pending state).
+
+    Liveness: a local model whose process id is known (``resolve`` reports it,
+    same host as with ``ipc://`` endpoints) is watched every
+    ``liveness_interval_s`` seconds.  Remote replicas (and any ``tcp://``
+    endpoint) are pinged every ``heartbeat_s`` seconds and found down after
+    ``heartbeat_timeout_s`` seconds without any message; a remote replica is up
+    again at its first answer (nothing is restarted: that is its own server's
+    job).  A replica found down ends every open segment on it at once with
+    :class:`PeerDownError` naming the model; when no replica of a model is left,
+    the model is *down*: new commands to it raise the same error without waiting,
+    and ``on_down(model, reason)`` is called; ``on_up(model)`` when a remote model
+    is back.  :meth:`mark_down` / :meth:`mark_up` do the same for local models.
 
     Args:
         resolve: callable(model name) → that model's endpoint, either a string
-            or a dict ``{"endpoint": str, "pid": int, "start": int}`` (called
-            once per model, then cached until the model is marked down).
+            or a dict ``{"endpoint": str, "pid": int, "start": int}``.
         stall_timeout_s: a segment whose model sends nothing for this long fails
             with :class:`PeerChannelError` (seconds; 0 = wait forever).
         tick_s: while waiting, :meth:`segment` yields a ``{"kind": "tick"}``
             event every ``tick_s`` seconds so the caller can check cancellation.
         on_down: optional callable(model, reason) called once each time a model
-            is marked down (from the monitor thread).
-        liveness_interval_s: seconds between two liveness checks (detection
-            latency is at most about this).
+            is marked down (from the I/O thread or the caller of ``mark_down``).
+        liveness_interval_s: seconds between two process checks of local models.
+        remote: ``{model: [endpoint, …]}`` of models served elsewhere (see
+            :func:`parse_remote_models`).
+        curve: :class:`~tokenrouter.curve.CurveClient` for ``tcp://`` endpoints, or None.
+        heartbeat_s: seconds between two pings of a remote replica.
+        heartbeat_timeout_s: seconds without an answer after which a remote replica is down.
+        on_up: optional callable(model) called when a remote model that was down answers again.
     """
 
     def __init__(self, resolve: Callable[[str], Any], stall_timeout_s: float = 600.0, tick_s: float = 0.05,
-                 on_down: Optional[Callable[[str, str], None]] = None, liveness_interval_s: float = 0.25):
+                 on_down: Optional[Callable[[str, str], None]] = None, liveness_interval_s: float = 0.25,
+                 remote: Optional[Dict[str, List[str]]] = None, curve=None, heartbeat_s: float = 0.5,
+                 heartbeat_timeout_s: float = 2.0, on_up: Optional[Callable[[str], None]] = None):
+        if not 0 < heartbeat_s < heartbeat_timeout_s:
+            raise ValueError(f"need 0 < heartbeat_s ({heartbeat_s}) < heartbeat_timeout_s ({heartbeat_timeout_s})")
         self._resolve = resolve
         self.stall_timeout_s = float(stall_timeout_s)
         self.tick_s = float(tick_s)
-        self._on_down = on_down
+        self._on_down, self._on_up = on_down, on_up
         self.liveness_interval_s = float(liveness_interval_s)
-        self._ctx = zmq.Context.instance()
-        self.reply_endpoint = default_endpoint("router")
+        self.heartbeat_s, self.heartbeat_timeout_s = float(heartbeat_s), float(heartbeat_timeout_s)
+        self._curve = curve
         self._me = {"router_pid": os.getpid(), "router_start": process_start_time(os.getpid())}
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.LINGER, 0)
-        self._pull.bind(self.reply_endpoint)
-        self._cmd: Dict[str, Tuple[Any, threading.Lock]] = {}
-        self._cmd_lock = threading.Lock()
-        self._procs: Dict[str, Tuple[int, Optional[int]]] = {}  # model -> (pid, start time)
+        self._ctx = zmq.Context()
+        self._lock = threading.Lock()  # links, homes, down marks
+        self._version = 0  # bumped when the set of links changes (the I/O thread re-reads it)
+        self._retired: List[_Link] = []  # links whose socket the I/O thread closes
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._resolve_lock = threading.Lock()
+        self._ids = itertools.count(1)  # link ids and segment ids
+        self._turn = itertools.count()
+        self._links: Dict[str, List[_Link]] = {}
+        self._by_id: Dict[int, _Link] = {}
+        self._home: Dict[Tuple[str, str], _Link] = {}
         self._down: Dict[str, str] = {}  # model -> reason
-        self._segs: Dict[int, Tuple[str, "queue.Queue"]] = {}
+        self._segs: Dict[int, Tuple[_Link, "queue.Queue"]] = {}
         self._segs_lock = threading.Lock()
-        self._ids = itertools.count(1)
+        self.remote = dict(remote or {})
+        with self._lock:
+            for model, eps in self.remote.items():
+                self._links[model] = [self._add_link(model, ep, remote=True) for ep in eps]
+                if all(l.down for l in self._links[model]):
+                    self._down[model] = self._links[model][-1].down
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._demux, name="peer-demux", daemon=True)
+        self._thread = threading.Thread(target=self._io_loop, name="peer-io", daemon=True)
         self._thread.start()
-        self._monitor = threading.Thread(target=self._watch, name="peer-liveness", daemon=True)
-        self._monitor.start()
 
-    # ------------------------------------------------------------ internals
-    def _demux(self) -> None:
-        _recv_loop(self._pull, self._stop, self._dispatch, "peer channel (router)")
+    # ------------------------------------------------------------ I/O thread
+    def _add_link(self, model: str, endpoint: str, remote: bool, proc=None) -> _Link:
+        """Create and connect a link (caller holds ``_lock``); the I/O thread picks it up at once.
 
-    def _dispatch(self, frames: List[bytes]) -> None:
+        A remote replica whose endpoint cannot be used (bad address, CURVE key error) is
+        created down, with the reason.
+
+        Raises:
+            PeerChannelError: the same for a local model.
+        """
+        link = _Link(next(self._ids), model, endpoint, remote, proc)
+        tcp = is_tcp(endpoint)
+        sock = _socket(self._ctx, zmq.DEALER, tcp)
+        sock.setsockopt(zmq.ROUTING_ID, b"r" + uuid.uuid4().bytes)
+        sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
+        monitor = None
+        try:
+            if tcp and self._curve is not None:
+                self._curve.secure(sock, model)
+            if tcp:
+                monitor = HandshakeLog(sock, f"router: connection to model {model} at {endpoint}")
+            sock.connect(endpoint)
+        except Exception as e:  # noqa: BLE001 - this replica is unusable; the others go on
+            if monitor is not None:
+                monitor.close()
+            sock.close(0)
+            reason = f"model {model} (replica at {endpoint}) is down: cannot connect: {e}"
+            if not remote:
+                raise PeerChannelError(reason) from None
+            logger.error("%s", reason)
+            link.down = reason
+            return link
+        link.shared, link.monitor = _SharedSocket(sock), monitor
+        self._by_id[link.id] = link
+        self._version += 1
+        self._wake()
+        return link
+
+    def _retire(self, link: _Link) -> None:
+        """Have the I/O thread close ``link``'s socket (caller holds ``_lock``)."""
+        if self._by_id.pop(link.id, None) is not None:
+            self._retired.append(link)
+            self._version += 1
+            self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except (BlockingIOError, OSError):
+            pass
+
+    @staticmethod
+    def _close_link(link: _Link) -> None:
+        if link.shared is not None:
+            link.shared.close(link.monitor.close if link.monitor is not None else None)
+
+    def _io_loop(self) -> None:
+        """Receive every model's answers, send heartbeats, watch local processes."""
+        version, links, poller = -1, [], None
+        next_beat = next_proc = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    retired, self._retired = self._retired, []
+                    if self._version != version:
+                        version, links = self._version, list(self._by_id.values())
+                        poller = None
+                for link in retired:
+                    self._close_link(link)
+                if poller is None:
+                    poller = zmq.Poller()
+                    poller.register(self._wake_r, zmq.POLLIN)
+                    for link in links:
+                        poller.register(link.shared.fd, zmq.POLLIN)
+                        poller.register(link.shared.wake_fd, zmq.POLLIN)
+                        if link.monitor is not None:
+                            poller.register(link.monitor.socket, zmq.POLLIN)
+                now = time.monotonic()
+                wait_ms = max(0, min(100, int(1000 * (min(next_beat, next_proc) - now)) + 1))
+                events = dict(poller.poll(wait_ms))
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except (BlockingIOError, OSError):
+                        pass
+                for link in links:
+                    _handle_all(link.shared.receive(), lambda f, link=link: self._dispatch(link, f),
+                                f"peer channel ({link.model})")
+                    if link.monitor is not None and link.monitor.socket in events:
+                        link.monitor.handle()
+                now = time.monotonic()
+                if now >= next_beat:
+                    next_beat = now + self.heartbeat_s
+                    self._heartbeats(now)
+                if now >= next_proc:
+                    next_proc = now + self.liveness_interval_s
+                    self._check_procs()
+        finally:
+            with self._lock:
+                left = list(self._by_id.values()) + self._retired
+                self._by_id.clear()
+                self._retired = []
+            for link in left:
+                self._close_link(link)
+
+    def _dispatch(self, link: _Link, frames: List[bytes]) -> None:
         meta = json.loads(frames[0])
-        toks = _tokens_list(frames[1] if len(frames) > 1 else b"")
+        link.heard = time.monotonic()
+        seg = int(meta.pop("seg", 0))
+        if seg == 0:  # a heartbeat's answer
+            if meta.get("kind") == "result":
+                self._answered(link, str((meta.get("result") or {}).get("instance") or ""))
+            return
         with self._segs_lock:
-            entry = self._segs.get(int(meta.pop("seg", 0)))
+            entry = self._segs.get(seg)
         if entry is not None:  # else: a response of a segment already closed
-            entry[1].put((toks, meta))
+            entry[1].put((_tokens_list(frames[1] if len(frames) > 1 else b""), meta))
 
-    def _socket(self, model: str):
-        with self._cmd_lock:
-            if model in self._down:
-                raise PeerDownError(model, self._down[model])
-            entry = self._cmd.get(model)
-            if entry is None:
-                entry = self._connect(model, self._resolve(model))
-            return entry
+    def _heartbeats(self, now: float) -> None:
+        """Ping every heartbeat link; find silent ones down (I/O thread)."""
+        ping = [_meta_frame({"op": "ping", "seg": 0, **self._me}), b""]
+        with self._lock:
+            links = [l for l in self._by_id.values() if l.heartbeat]
+        for link in links:
+            link.shared.send(ping)
+            if link.down is None and now - link.heard > self.heartbeat_timeout_s:
+                self._link_down(link, f"model {link.model} (replica at {link.endpoint}) is down: no answer "
+                                      f"for {self.heartbeat_timeout_s:g} s")
 
-    def _connect(self, model: str, resolved: Any):
-        """Connect to a resolved endpoint (caller holds ``_cmd_lock``)."""
+    def _check_procs(self) -> None:
+        with self._lock:
+            links = [l for l in self._by_id.values() if l.proc is not None and l.down is None]
+        for link in links:
+            pid, start = link.proc
+            if not process_alive(pid, start):
+                self._link_down(link, f"model {link.model} is down: its process (pid {pid}) exited")
+
+    def _answered(self, link: _Link, instance: str) -> None:
+        """A heartbeat answer: note the instance; a restart loses state; a down remote replica is back."""
+        if link.down is None and link.instance not in (None, instance):
+            self._link_down(link, f"model {link.model} (replica at {link.endpoint}) is down: it restarted "
+                                  "(the requests it held are lost)")
+        releases: List[str] = []
+        back = False
+        with self._lock:
+            if link.down is not None and link.remote:
+                releases = sorted(link.orphans) if link.instance == instance else []
+                link.orphans = set()
+                link.down = None
+                back = self._down.pop(link.model, None) is not None
+                logger.warning("model %s: replica at %s answers again", link.model, link.endpoint)
+            if link.down is None:
+                link.instance = instance
+        for rid in releases:  # it was only slow: free what the failed requests held there
+            link.shared.send([_meta_frame({"op": "release", "rid": rid, **self._me}), b""])
+        if back:
+            logger.warning("model %s is up again", link.model)
+            if self._on_up is not None:
+                try:
+                    self._on_up(link.model)
+                except Exception:  # noqa: BLE001
+                    logger.exception("on_up(%s) failed", link.model)
+
+    # ------------------------------------------------------------ down / up
+    def _link_down(self, link: _Link, reason: str) -> bool:
+        """Mark one replica down: fail its open segments; the model is down when none is left.
+
+        Returns:
+            True when this made the model down (``on_down`` was then called).
+        """
+        with self._lock:
+            if link.down is not None:
+                return False
+            link.down = reason
+            for rid in link.homes:
+                self._home.pop((link.model, rid), None)
+            link.orphans |= link.homes
+            link.homes = set()
+            if not link.remote:  # a local model: reconnected by mark_up with its new endpoint
+                link.proc = None
+                link.orphans = set()
+                if link in self._links.get(link.model, []):
+                    self._links[link.model].remove(link)
+                self._retire(link)
+            links = self._links.get(link.model, [])
+            left = sum(1 for l in links if l.down is None)
+            model_down = left == 0 and link.model not in self._down
+            if left == 0:
+                self._down[link.model] = reason
+        with self._segs_lock:
+            queues = [q for l, q in self._segs.values() if l is link]
+        for q in queues:
+            q.put(([], {"kind": "peer_down", "model": link.model, "message": reason}))
+        if not model_down:
+            if left:
+                logger.error("%s (%d of %d replicas left)", reason, left, len(links))
+            return False
+        logger.error("%s", reason)
+        if self._on_down is not None:
+            try:
+                self._on_down(link.model, reason)
+            except Exception:  # noqa: BLE001
+                logger.exception("on_down(%s) failed", link.model)
+        return True
+
+    def mark_down(self, model: str, reason: str) -> bool:
+        """Mark ``model`` down: fail its open segments with :class:`PeerDownError` and refuse new commands.
+
+        Returns:
+            True when the model was up until now (``on_down`` is then called).
+        """
+        with self._lock:
+            links = [l for l in self._links.get(model, []) if l.down is None]
+            if not links:
+                was_up = model not in self._down
+                self._down[model] = reason
+        if not links:
+            if was_up:
+                logger.error("%s", reason)
+                if self._on_down is not None:
+                    self._on_down(model, reason)
+            return was_up
+        return any([self._link_down(l, reason) for l in links])
+
+    def mark_up(self, model: str, resolved: Any) -> None:
+        """Use a freshly resolved endpoint for local ``model`` (same forms as ``resolve`` returns)
+        and clear its down mark.
+
+        Raises:
+            ValueError: ``model`` is a remote model (it comes back by answering heartbeats).
+        """
+        if model in self.remote:
+            raise ValueError(f"model {model} is remote: it is up again when it answers heartbeats")
+        with self._lock:
+            for old in self._links.pop(model, []):
+                old.down = old.down or "replaced"
+                self._retire(old)
+            self._add_local(model, resolved)
+            self._down.pop(model, None)
+        logger.warning("model %s is up again", model)
+
+    def _add_local(self, model: str, resolved: Any) -> None:
+        """Link to a resolved local endpoint (caller holds ``_lock``)."""
+        proc = None
         if isinstance(resolved, dict):
             endpoint = str(resolved["endpoint"])
             if resolved.get("pid"):
                 pid = int(resolved["pid"])
                 start = resolved.get("start")
-                if start is None:
-                    start = process_start_time(pid)
-                self._procs[model] = (pid, start)
+                proc = (pid, process_start_time(pid) if start is None else start)
         else:
             endpoint = str(resolved)
-        sock = self._ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(endpoint)
-        entry = self._cmd[model] = (sock, threading.Lock())
-        return entry
+        self._links[model] = [self._add_link(model, endpoint, remote=False, proc=proc)]
 
-    def _command(self, model: str, meta: Dict[str, Any], tokens=()) -> None:
-        sock, lock = self._socket(model)
-        data = [json.dumps({**meta, **self._me}, separators=(",", ":")).encode(), _tokens_frame(list(tokens))]
-        with lock:
-            sock.send_multipart(data, copy=False)
+    def down(self) -> Dict[str, str]:
+        """Models marked down now (no replica left): ``{model: reason}``."""
+        with self._lock:
+            return dict(self._down)
 
-    def _open(self, model: str) -> Tuple[int, "queue.Queue"]:
+    def is_down(self, model: str) -> bool:
+        """True while ``model`` is marked down."""
+        with self._lock:
+            return model in self._down
+
+    def replicas(self, model: str) -> List[Dict[str, Any]]:
+        """State of ``model``'s replicas: ``[{"endpoint", "up", "requests", "reason"}]``."""
+        with self._lock:
+            return [{"endpoint": l.endpoint, "up": l.down is None, "requests": len(l.homes), "reason": l.down}
+                    for l in self._links.get(model, [])]
+
+    def wait_connected(self, timeout_s: float) -> List[str]:
+        """Wait up to ``timeout_s`` seconds until every remote replica has answered a ping once.
+
+        Returns:
+            ``"model at endpoint"`` of the replicas that have not answered (empty: all have).
+        """
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with self._lock:
+                silent = [f"{l.model} at {l.endpoint}" for ls in self._links.values() for l in ls
+                          if l.remote and l.instance is None]
+            if not silent or time.monotonic() >= deadline:
+                return silent
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------ commands
+    def _ensure_local(self, model: str) -> None:
+        """Resolve a local model's endpoint once (outside ``_lock``: a BLS call may take a while)."""
+        if model in self.remote:
+            return
+        with self._lock:
+            if self._links.get(model) or model in self._down:
+                return
+        with self._resolve_lock:
+            with self._lock:
+                if self._links.get(model) or model in self._down:
+                    return
+            resolved = self._resolve(model)
+            with self._lock:
+                if not self._links.get(model) and model not in self._down:
+                    self._add_local(model, resolved)
+
+    def _pick(self, model: str, rid: Optional[str]) -> _Link:
+        """The replica for ``rid`` on ``model``: the one holding its state, else the least busy live one.
+
+        Raises:
+            PeerDownError: no replica of ``model`` is up.
+        """
+        self._ensure_local(model)
+        with self._lock:
+            if model in self._down:
+                raise PeerDownError(model, self._down[model])
+            link = self._home.get((model, rid)) if rid is not None else None
+            if link is None:
+                live = [l for l in self._links.get(model, []) if l.down is None]
+                if not live:
+                    raise PeerDownError(model, f"model {model} is down")
+                n, k = len(live), next(self._turn)
+                link = min((live[(k + i) % n] for i in range(n)), key=lambda l: len(l.homes))
+                if rid is not None:
+                    self._home[(model, rid)] = link
+                    link.homes.add(rid)
+            return link
+
+    def _unhome(self, link: _Link, rid: str) -> None:
+        """``rid`` has no state on ``link`` any more (finished, cancelled or released there)."""
+        with self._lock:
+            if self._home.get((link.model, rid)) is link:
+                del self._home[(link.model, rid)]
+            link.homes.discard(rid)
+
+    def _send(self, link: _Link, meta: Dict[str, Any], tokens=()) -> None:
+        """Send a command on ``link`` from this thread (dropped if the link was closed meanwhile:
+        it is down then, and its segments have been told so)."""
+        if link.shared is not None:
+            link.shared.send([_meta_frame({**meta, **self._me}), _tokens_frame(list(tokens))])
+
+    def _open(self, link: _Link) -> Tuple[int, "queue.Queue"]:
+        """Register a segment on ``link`` (after its down mark is checked: no lost wake-up)."""
         seg, q = next(self._ids), queue.Queue()
         with self._segs_lock:
-            self._segs[seg] = (model, q)
+            self._segs[seg] = (link, q)
+        if link.down is not None:
+            self._close_seg(seg)
+            raise PeerDownError(link.model, link.down)
         return seg, q
 
     def _close_seg(self, seg: int) -> None:
@@ -480,62 +1019,6 @@ class PeerClient:
                 raise PeerChannelError(f"model {model} sent nothing for {self.stall_timeout_s:.0f} s") from None
             return None
 
-    # ------------------------------------------------------------ liveness
-    def _watch(self) -> None:
-        while not self._stop.wait(self.liveness_interval_s):
-            with self._cmd_lock:
-                procs = list(self._procs.items())
-            for model, (pid, start) in procs:
-                if not process_alive(pid, start):
-                    self.mark_down(model, f"model {model} is down: its process (pid {pid}) exited")
-
-    def mark_down(self, model: str, reason: str) -> bool:
-        """Mark ``model`` down: fail its open segments with :class:`PeerDownError` and refuse new commands.
-
-        Returns:
-            True when the model was up until now (``on_down`` is then called).
-        """
-        with self._cmd_lock:
-            was_up = model not in self._down
-            self._down[model] = reason
-            self._procs.pop(model, None)
-            entry = self._cmd.pop(model, None)
-            if entry is not None:
-                entry[0].close(0)
-        with self._segs_lock:
-            queues = [q for m, q in self._segs.values() if m == model]
-        for q in queues:
-            q.put(([], {"kind": "peer_down", "model": model, "message": reason}))
-        if was_up:
-            logger.error("%s", reason)
-            if self._on_down is not None:
-                try:
-                    self._on_down(model, reason)
-                except Exception:  # noqa: BLE001
-                    logger.exception("on_down(%s) failed", model)
-        return was_up
-
-    def mark_up(self, model: str, resolved: Any) -> None:
-        """Use a freshly resolved endpoint for ``model`` (same forms as ``resolve`` returns) and clear its down mark."""
-        with self._cmd_lock:
-            old = self._cmd.pop(model, None)
-            if old is not None:
-                old[0].close(0)
-            self._procs.pop(model, None)
-            self._connect(model, resolved)
-            self._down.pop(model, None)
-        logger.warning("model %s is up again", model)
-
-    def down(self) -> Dict[str, str]:
-        """Models marked down now: ``{model: reason}``."""
-        with self._cmd_lock:
-            return dict(self._down)
-
-    def is_down(self, model: str) -> bool:
-        """True while ``model`` is marked down."""
-        with self._cmd_lock:
-            return model in self._down
-
     # ----------------------------------------------------------- transport
     def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
         """One visit of ``rid`` to ``model``: yield ``(committed token ids, event)`` until a final event.
@@ -544,13 +1027,14 @@ class PeerClient:
 
         Raises:
             RuntimeError: the model reported an error.
-            PeerDownError: the model is down, or went down during the segment.
+            PeerDownError: the model (the replica holding the request) is down, or went down
+                during the segment.
             PeerChannelError: the model sent nothing for ``stall_timeout_s``.
         """
-        seg, q = self._open(model)
+        link = self._pick(model, rid)
+        seg, q = self._open(link)
         try:
-            self._command(model, {"op": "run", "seg": seg, "reply": self.reply_endpoint, "rid": rid,
-                                  "header": header}, tokens)
+            self._send(link, {"op": "run", "seg": seg, "rid": rid, "header": header}, tokens)
             deadline = time.monotonic() + self.stall_timeout_s
             while True:
                 item = self._next(model, q, deadline)
@@ -559,43 +1043,45 @@ class PeerClient:
                     continue
                 deadline = time.monotonic() + self.stall_timeout_s
                 toks, ev = item
-                if ev.get("kind") == "peer_down":
+                kind = ev.get("kind")
+                if kind == "peer_down":
                     raise PeerDownError(model, ev.get("message") or f"model {model} is down")
-                if ev.get("kind") == "error":
+                if kind == "error":
                     raise RuntimeError(ev.get("message") or f"model {model}: error")
+                if kind in ("finished", "cancelled"):
+                    self._unhome(link, rid)
                 yield toks, ev
-                if ev.get("kind") in FINAL:
+                if kind in FINAL:
                     return
         finally:
             self._close_seg(seg)
 
     def release(self, model: str, rid: str) -> None:
-        """Free ``rid``'s state on ``model`` (ends its running segment there, if any).
+        """Free ``rid``'s state on ``model`` (on the replica holding it; ends its running segment there).
 
-        Nothing is sent to a model marked down (its state went with its process).
+        Nothing is sent when no replica holds it or the one that did is down (its
+        state went with its process, or is released when it answers again).
         """
-        if self.is_down(model):
-            return
-        try:
-            self._command(model, {"op": "release", "rid": rid})
-        except PeerDownError:
-            pass
-        except Exception:  # noqa: BLE001 - best effort, like a dropped connection
-            logger.exception("release of %s on %s failed", rid, model)
+        with self._lock:
+            link = self._home.pop((model, rid), None)
+            if link is not None:
+                link.homes.discard(rid)
+        if link is not None and link.down is None:
+            self._send(link, {"op": "release", "rid": rid})
 
     def call(self, model: str, op: str, settings: Optional[Dict[str, Any]] = None,
              timeout_s: float = 60.0) -> Dict[str, Any]:
-        """``stats``, ``configure``, ``events`` or ``ping`` on ``model``; returns the result dict.
+        """``stats``, ``configure``, ``events`` or ``ping`` on ``model`` (a live replica of it); returns the result dict.
 
         Raises:
             RuntimeError: the model reported an error.
             PeerDownError: the model is down.
             PeerChannelError: no answer within ``timeout_s`` seconds.
         """
-        seg, q = self._open(model)
+        link = self._pick(model, None)
+        seg, q = self._open(link)
         try:
-            self._command(model, {"op": op, "seg": seg, "reply": self.reply_endpoint,
-                                  "settings": settings or {}})
+            self._send(link, {"op": op, "seg": seg, "settings": settings or {}})
             try:
                 toks, ev = q.get(timeout=timeout_s)
             except queue.Empty:
@@ -612,17 +1098,17 @@ class PeerClient:
         """End every open segment with :class:`PeerDownError` ``message`` (used at shutdown)."""
         with self._segs_lock:
             entries = list(self._segs.values())
-        for model, q in entries:
-            q.put(([], {"kind": "peer_down", "model": model, "message": message}))
+        for link, q in entries:
+            q.put(([], {"kind": "peer_down", "model": link.model, "message": message}))
 
     def close(self) -> None:
-        """Stop the demultiplexer and the liveness monitor and close every socket."""
+        """Stop the I/O thread and close every socket."""
+        if self._stop.is_set():
+            return
         self._stop.set()
+        self._wake()
         self._thread.join(timeout=5)
-        self._monitor.join(timeout=2)
-        with self._cmd_lock:
-            for sock, _ in self._cmd.values():
-                sock.close(0)
-            self._cmd.clear()
-        self._pull.close(0)
-        _unlink_ipc(self.reply_endpoint)
+        if not self._thread.is_alive():
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._ctx.term()

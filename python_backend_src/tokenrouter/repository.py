@@ -1,4 +1,5 @@
-"""Model-repository variants: the size-realistic pair, extra routers, baseline switches.
+"""Model-repository variants: the size-realistic pair, extra routers, baseline switches,
+one server of a several-server deployment (:func:`serving_params`).
 
 Configs are read and written with Triton's model-config protobuf in text
 format (``tritonclient.grpc.model_config_pb2``), never with regular
@@ -9,16 +10,23 @@ CLI::
     python -m tokenrouter.repository --src model_repository --out RUN_DIR --pair size-realistic
     # plus a second router reaching the models over the Triton transport
     python -m tokenrouter.repository --out RUN_DIR --router token_router_triton transport=triton
+    python -m tokenrouter.repository --src model_repository --out RUN_DIR \
+        --set 'token_router.remote_models={"llm": "tcp://10.0.0.2:5555"}' --set llm.peer_endpoint=tcp://0.0.0.0:5555
+    # one server of several (what deploy/serve --models/--remote/--peer-port/--keys write)
+    python -m tokenrouter.repository --out RUN_DIR --models slm,token_router --remote llm=tcp://10.0.0.2:5555 --keys KEYS
+    python -m tokenrouter.repository --out RUN_DIR --models llm --peer-port 5555 --keys KEYS
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
-from typing import Dict, Iterable, Mapping, Optional
+from typing import Dict, Iterable, List, Mapping, Optional
 
-__all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_variant", "add_router"]
+__all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_variant", "add_router",
+           "parse_settings", "serving_params"]
 
 #: parameter overrides per demo pair (model name -> config parameters)
 PAIRS: Dict[str, Dict[str, Dict[str, str]]] = {
@@ -113,22 +121,145 @@ def make_variant(src: str, out: str, pair: str = "demo",
     return out
 
 
+def _is_router(src: str, model: str) -> bool:
+    cfg = read_config(os.path.join(src, model, "config.pbtxt"))
+    return "role" in cfg.parameters and cfg.parameters["role"].string_value == "router"
+
+
+def _peer_ports(items: Iterable[str], llms: List[str]) -> Dict[str, int]:
+    """``--peer-port`` values: ``PORT`` (the served LLM models get PORT, PORT+1, … in order) or ``NAME=PORT``."""
+    ports: Dict[str, int] = {}
+    for item in items:
+        name, sep, port = item.rpartition("=")
+        if not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"--peer-port expects PORT or NAME=PORT, got {item!r}")
+        if sep:
+            if name not in llms:
+                raise ValueError(f"--peer-port {item}: {name!r} is not an LLM model served here ({llms})")
+            ports[name] = int(port)
+        else:
+            ports.update({m: int(port) + i for i, m in enumerate(llms) if m not in ports})
+    return ports
+
+
+def _remote_map(items: Iterable[str], served: List[str]) -> Dict[str, List[str]]:
+    """``--remote NAME=ENDPOINT`` values (a name given again adds a replica)."""
+    out: Dict[str, List[str]] = {}
+    for item in items:
+        name, sep, ep = item.partition("=")
+        if not sep or not name or not ep.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"--remote expects NAME=tcp://HOST:PORT, got {item!r}")
+        if name in served:
+            raise ValueError(f"--remote {item}: model {name!r} is also served here; leave it out of --models")
+        out.setdefault(name, []).append(ep)
+    return out
+
+
+def serving_params(src: str, served: Iterable[str], remote: Iterable[str] = (), peer_ports: Iterable[str] = (),
+                   keys_dir: str = "", curve: bool = True) -> Dict[str, Dict[str, str]]:
+    """Parameter overrides for one tritonserver of a several-server deployment.
+
+    Args:
+        src: the model repository.
+        served: the models this server loads.
+        remote: ``NAME=ENDPOINT`` strings: models served elsewhere (a name given twice: replicas);
+            sets ``remote_models`` of the served routers.
+        peer_ports: ``PORT`` or ``NAME=PORT`` strings: the served LLM models bind
+            ``tcp://0.0.0.0:PORT`` (with ``PORT``: PORT, PORT+1, … in the order of ``served``).
+        keys_dir: CURVE key folder (created with :func:`tokenrouter.curve.make_keys` if missing);
+            needed when a TCP endpoint is used and ``curve`` is on.
+        curve: False sets ``curve: off`` on every model that uses TCP.
+
+    Returns:
+        ``{model: {parameter: value}}`` for :func:`make_variant`.
+
+    Raises:
+        ValueError: a malformed value, a model not in ``src``, a remote model also served
+            here, ``--remote`` without a served router, or TCP with CURVE on and no ``keys_dir``.
+    """
+    served = list(served)
+    for m in served:
+        if not os.path.isfile(os.path.join(src, m, "config.pbtxt")):
+            raise ValueError(f"model {m!r} is not in the repository {src}")
+    routers = [m for m in served if _is_router(src, m)]
+    llms = [m for m in served if m not in routers]
+    ports = _peer_ports(peer_ports, llms)
+    rmap = _remote_map(remote, served)
+    if rmap and not routers:
+        raise ValueError("--remote sets the router's remote_models, but no router is served here")
+    out: Dict[str, Dict[str, str]] = {m: {"peer_endpoint": f"tcp://0.0.0.0:{p}"} for m, p in ports.items()}
+    if rmap:
+        value = json.dumps({k: v[0] if len(v) == 1 else v for k, v in rmap.items()})
+        for r in routers:
+            out.setdefault(r, {})["remote_models"] = value
+    tcp_routers = routers if any(ep.startswith("tcp://") for eps in rmap.values() for ep in eps) else []
+    if not ports and not tcp_routers:
+        return out
+    if not curve:
+        for m in list(ports) + tcp_routers:
+            out.setdefault(m, {})["curve"] = "off"
+        return out
+    if not keys_dir:
+        raise ValueError("TCP endpoints use CURVE keys: give a key folder (or turn CURVE off)")
+    from .curve import make_keys
+
+    keys = {k: os.path.abspath(v) for k, v in make_keys(keys_dir).items()}
+    for m in ports:
+        out[m].update(curve_secret_key_file=keys["server_secret"], curve_authorized_keys_dir=keys["authorized_keys_dir"])
+    for r in tcp_routers:
+        out[r].update(curve_secret_key_file=keys["router_secret"], curve_server_public_keys=keys["server_public"])
+    return out
+
+
+def parse_settings(items: Iterable[str]) -> Dict[str, Dict[str, str]]:
+    """``MODEL.KEY=VALUE`` strings → ``{model: {key: value}}`` (later ones win).
+
+    Raises:
+        ValueError: an item without ``.`` before ``=``, or with an empty model or key.
+    """
+    out: Dict[str, Dict[str, str]] = {}
+    for item in items:
+        lhs, sep, value = item.partition("=")
+        model, dot, key = lhs.partition(".")
+        if not sep or not dot or not model.strip() or not key.strip():
+            raise ValueError(f"--set expects MODEL.KEY=VALUE, got {item!r}")
+        out.setdefault(model.strip(), {})[key.strip()] = value
+    return out
+
+
 def main(argv: Optional[Iterable[str]] = None) -> int:
     """CLI: write a repository variant."""
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.repository", description=__doc__.split("\n\n")[0])
     ap.add_argument("--src", default="model_repository")
     ap.add_argument("--out", required=True)
     ap.add_argument("--pair", default="demo", choices=sorted(PAIRS))
+    ap.add_argument("--set", action="append", default=[], metavar="MODEL.KEY=VALUE",
+                    help="set a config parameter of one model (repeatable)")
     ap.add_argument("--router", nargs="+", action="append", default=[], metavar=("NAME", "KEY=VALUE"),
                     help="add a router model NAME (a copy of token_router) with these config parameters; "
                          "repeatable")
+    ap.add_argument("--models", default="", help="the models this server loads (comma-separated; default all)")
+    ap.add_argument("--remote", action="append", default=[], metavar="NAME=ENDPOINT",
+                    help="a model served by another server (repeat a name for replicas)")
+    ap.add_argument("--peer-port", action="append", default=[], metavar="PORT|NAME=PORT",
+                    help="served LLM models bind tcp://0.0.0.0:PORT (PORT, PORT+1, ... or per name)")
+    ap.add_argument("--keys", default="", help="CURVE key folder (created if missing)")
+    ap.add_argument("--curve", default="on", choices=["on", "off"], help="CURVE on TCP endpoints (default on)")
     a = ap.parse_args(list(argv) if argv is not None else None)
     routers = {}
     for name, *kvs in a.router:
         if any("=" not in kv for kv in kvs):
             ap.error(f"--router {name}: parameters are KEY=VALUE, got {kvs}")
         routers[name] = dict(kv.split("=", 1) for kv in kvs)
-    make_variant(a.src, a.out, a.pair, routers=routers)
+    try:
+        served = [m.strip() for m in a.models.split(",") if m.strip()] or sorted(
+            d for d in os.listdir(a.src) if os.path.isfile(os.path.join(a.src, d, "config.pbtxt")))
+        params = serving_params(a.src, served, a.remote, a.peer_port, a.keys, a.curve == "on")
+        for m, p in parse_settings(a.set).items():
+            params.setdefault(m, {}).update(p)
+        make_variant(a.src, a.out, a.pair, model_params=params, routers=routers)
+    except (ValueError, FileExistsError) as e:
+        ap.error(str(e))
     print(a.out)
     return 0
 

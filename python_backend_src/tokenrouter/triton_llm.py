@@ -1,7 +1,7 @@
 """Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
 
 A router with ``transport: zmq`` reaches the model over the ZeroMQ inter-model
-channel (:mod:`tokenrouter.peer_channel`: a PULL socket at ``peer_endpoint``,
+channel (:mod:`tokenrouter.peer_channel`: a ROUTER socket at ``peer_endpoint``,
 default a fresh ``ipc://`` path, which op ``endpoint`` reports).  The same
 operations are served as Triton requests: a router with ``transport: triton``
 (:mod:`tokenrouter.triton_transport`) sends every segment that way, and admin
@@ -34,8 +34,14 @@ Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
 Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
 ``kv_pool_tokens``, ``max_running_requests``, ``context_length``,
 ``torch_threads``, ``load_format``, ``random_seed``, ``delayed_batch_size``,
-``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume``, ``peer_endpoint``, ``drain_timeout_s`` (an unload waits this long for the requests the model holds; default 30)
-(std-serving baseline), ``lockstep_group`` (lock-step baseline: comma-separated
+``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume`` (std-serving baseline),
+``drain_timeout_s`` (an unload waits this long for the requests the model holds; default 30),
+``peer_endpoint`` (the inter-model channel's endpoint: default a fresh ``ipc://`` path;
+``tcp://0.0.0.0:PORT`` serves routers of other servers, see ``remote_models`` in
+:mod:`tokenrouter.triton_router`), ``curve`` (``on`` default / ``off``: CURVE on a TCP
+endpoint), ``curve_secret_key_file`` and ``curve_authorized_keys_dir`` (see
+:mod:`tokenrouter.curve`), ``router_timeout_s`` (TCP: a router silent this long has its
+requests released; default 10), ``lockstep_group`` (lock-step baseline: comma-separated
 models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}``
 is replaced by the model name), ``capture_hidden`` (return the last hidden
 state of every step to the routing algorithm: needed on model 0 by the learned
@@ -65,6 +71,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from . import model_control
+from .curve import CurveServer
 from .engine import EngineConfig, SGLangEngine
 from .event_ring import EventRing
 from .lockstep import TurnRing, default_ring_path
@@ -138,8 +145,11 @@ class TritonPythonModel:
         self._io_q: "queue.Queue" = queue.Queue()
         self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._on_event,
                                    on_idle=self._refresh_metrics_idle)
-        self.peer_server = PeerServer(self.subserver, param(p, "peer_endpoint", "") or None,
-                                      configure_fn=self._configure, events_fn=self._events)
+        endpoint = param(p, "peer_endpoint", "") or None
+        self.peer_server = PeerServer(self.subserver, endpoint, configure_fn=self._configure,
+                                      events_fn=self._events,
+                                      curve=CurveServer.from_params(p, endpoint or "", self.name),
+                                      router_timeout_s=param(p, "router_timeout_s", 10.0, float))
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
         self._start_liveness()
         self._io_thread = threading.Thread(target=self._io_loop, name=f"triton-io-{self.name}", daemon=True)

@@ -51,15 +51,24 @@ the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 ``peer_timeout_s`` (a model silent this long fails the request; 0 = never),
 ``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
 it needs is down; see :class:`_PeerFailure`), ``peer_restart_s`` (seconds between
-two attempts to get a dead model restarted), ``transport`` (how requests reach
-the models, below), ``online_adaptation`` and the other ``online_*`` parameters
-(B* adapted while serving: :mod:`tokenrouter.online_bstar`).
+two attempts to get a dead model restarted), ``transport`` (below),
+``online_adaptation`` and the other ``online_*`` parameters (B* adapted while
+serving: :mod:`tokenrouter.online_bstar`), ``remote_models`` (models served by
+other tritonservers: JSON ``{"llm": "tcp://host:port"}``, or a list of endpoints
+for replicas ``{"llm": ["tcp://h1:p", "tcp://h2:p"]}``), ``heartbeat_interval_s``
+and ``heartbeat_timeout_s`` (remote replicas are pinged every 0.5 s and are down
+after 2 s without an answer), ``curve`` (``on`` default / ``off``),
+``curve_secret_key_file`` and ``curve_server_public_keys`` (CURVE on TCP: see
+:mod:`tokenrouter.curve`).
 
-``transport: zmq`` (default): models are reached over the ZeroMQ channel of
-:mod:`tokenrouter.peer_channel`; each model's endpoint is asked once with a BLS
-call (op ``endpoint``).  ``transport: triton``: every visit of a request to a
-model is a decoupled BLS request to it (:mod:`tokenrouter.triton_transport`), so
-handoffs pass Triton's scheduler and dynamic batcher.
+Models are reached over the ZeroMQ channel of :mod:`tokenrouter.peer_channel`:
+a model of ``remote_models`` at its listed endpoints (new requests spread over its
+replicas, each request staying on the replica that holds its state); any other
+model's endpoint is read from its advert file or asked once with a BLS call
+(op ``endpoint``).  That is ``transport: zmq`` (default); with ``transport:
+triton`` every visit of a request to a model is a decoupled BLS request to it
+(:mod:`tokenrouter.triton_transport`), so handoffs pass Triton's scheduler and
+dynamic batcher (models in this server only: no ``remote_models``).
 
 LLM-serving metrics (TTFT, time per output token, end-to-end, queue and
 handoff latency histograms; token, request and handoff counters; running and
@@ -95,7 +104,9 @@ from . import model_control
 from .algorithms import get_algorithm
 from .detok import IncrementalDetokenizer
 from .metrics import RouterMetrics, observe_request
-from .peer_channel import PeerClient, PeerDownError, advert_path, read_advert, remove_advert, write_advert
+from .curve import CurveClient
+from .peer_channel import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert, remove_advert,
+                           write_advert)
 from .protocol import FinishReason
 from .router_core import drive, encode_prompt, make_header, stop_token_ids
 from .sampling import SamplingParams, parse_sampling_parameters
@@ -227,13 +238,28 @@ class TritonPythonModel:
         self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
                                        thread_name_prefix="router")
         self._closing = threading.Event()
+        self.remote = parse_remote_models(param(p, "remote_models", ""))
+        unknown = sorted(set(self.remote) - set(self.models))
+        if unknown:
+            raise pb_utils.TritonModelException(f"remote_models names {unknown}, not in models {self.models}")
         self.failure = _PeerFailure(self, param(p, "on_peer_failure", "fail"),
-                                    param(p, "peer_restart_s", 5.0, float))
+                                    param(p, "peer_restart_s", 5.0, float), remote=self.remote)
         self.transport = param(p, "transport", "zmq").strip().lower()
         stall = param(p, "peer_timeout_s", 600.0, float)
         if self.transport == "zmq":
-            self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=stall, on_down=self.failure.on_down)
+            self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=stall,
+                                    on_down=self.failure.on_down, on_up=self.failure.on_up, remote=self.remote,
+                                    curve=CurveClient.from_params(p, self.remote),
+                                    heartbeat_s=param(p, "heartbeat_interval_s", 0.5, float),
+                                    heartbeat_timeout_s=param(p, "heartbeat_timeout_s", 2.0, float))
+            silent = self.peers.wait_connected(self.peers.heartbeat_timeout_s) if self.remote else []
+            if silent:
+                logger.warning("router: no answer yet from %s (requests to a model none of whose replicas "
+                               "answers are refused until one does)", "; ".join(silent))
         elif self.transport == "triton":
+            if self.remote:
+                raise pb_utils.TritonModelException(
+                    "remote_models needs transport zmq (the Triton transport reaches models of this server only)")
             self.peers = TritonTransport(self._discover_process, stall_timeout_s=stall,
                                          on_down=self.failure.on_down, pb_utils=pb_utils)
         else:
@@ -257,7 +283,7 @@ class TritonPythonModel:
         from . import stub_guard  # no orphan if tritonserver goes away without finalising this stub
 
         self._name = str(self.model_config.get("name", "token_router"))
-        write_advert(self._name, self.peers.reply_endpoint, kind="router")  # the models restart a dead router
+        write_advert(self._name, "", kind="router")  # the models restart a dead router
         stub_guard.install(self._cleanup_files)
 
     def _cleanup_files(self) -> None:
@@ -632,6 +658,11 @@ class _PeerFailure:
     * ``on_peer_failure = "fallback"``: requests go on on a live model (SLM-only),
       ``routing_summary`` gets ``"degraded": [model]`` and
       ``tokenrouter_degraded_requests_total`` counts them.
+    * **Remote models** (``remote_models``: served by other tritonservers): the
+      PeerClient pings each replica; one silent for ``heartbeat_timeout_s`` is down
+      (its requests end with the error above; new requests go to the other replicas);
+      with none left the model is down as above.  Nothing is restarted (that is the
+      other server's job): the model is up again (:meth:`on_up`) when a replica answers.
     * **Recovery** (a thread): every ``restart_s`` seconds a Triton request is sent to
       the dead model (the Python backend restarts a dead stub when a request reaches
       it), or, where the server runs with ``--model-control-mode=explicit``, the
@@ -645,12 +676,13 @@ class _PeerFailure:
         router: the :class:`TritonPythonModel` (its client I/O queue and peers).
         mode: ``fail`` or ``fallback``.
         restart_s: seconds between two restart attempts of a dead model (> 0).
+        remote: names of the remote models (never restarted from here).
 
     Raises:
         pb_utils.TritonModelException: bad ``mode`` or ``restart_s`` (the model fails to load).
     """
 
-    def __init__(self, router, mode: str, restart_s: float):
+    def __init__(self, router, mode: str, restart_s: float, remote=()):
         mode = str(mode).strip().lower()
         if mode not in ON_PEER_FAILURE:
             raise pb_utils.TritonModelException(
@@ -661,6 +693,7 @@ class _PeerFailure:
         self.mode = mode
         self.fallback = mode == "fallback"
         self.restart_s = float(restart_s)
+        self.remote = frozenset(remote)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._dead: Dict[str, float] = {}  # model -> time it was found down
@@ -721,6 +754,18 @@ class _PeerFailure:
             self._on_io(lambda: self._up[model].set(0.0))
         self._wake.set()
 
+    def on_up(self, model: str) -> None:
+        """Called by the PeerClient when remote ``model`` answers again after it was down."""
+        with self._lock:
+            self._dead.pop(model, None)
+        if model in self._up:
+            self._on_io(lambda: (self._up[model].set(1.0), self._restarts[model].increment(1.0)))
+
+    def _hint(self, models) -> str:
+        if all(m in self.remote for m in models):
+            return "a remote model: it is back when one of its servers answers again"
+        return "the model is being restarted"
+
     def refusal(self) -> Optional[str]:
         """The reason to refuse a new request now (fail mode with a model down), else None."""
         if self.router._closing.is_set():
@@ -731,11 +776,11 @@ class _PeerFailure:
         if not down:
             return None
         return ("token_router is not ready: " + "; ".join(sorted(down.values())) +
-                " (on_peer_failure=fail; the model is being restarted, retry later)")
+                f" (on_peer_failure=fail; {self._hint(down)}, retry later)")
 
     def describe(self, err: PeerDownError) -> str:
         """Client-facing message for a request that failed because a model went down."""
-        return f"{err} (on_peer_failure={self.mode}; the model is being restarted, retry later)"
+        return f"{err} (on_peer_failure={self.mode}; {self._hint([err.model])}, retry later)"
 
     # ------------------------------------------------------------ recovery
     def _recover_loop(self) -> None:
@@ -744,7 +789,7 @@ class _PeerFailure:
             self._wake.wait(0.5)
             self._wake.clear()
             with self._lock:
-                dead = dict(self._dead)
+                dead = [m for m in self._dead if m not in self.remote]  # remote: back by heartbeat
             for model in dead:
                 if self._stop.is_set():
                     return
