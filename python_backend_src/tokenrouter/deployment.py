@@ -55,13 +55,13 @@ PARAM: Dict[str, str] = {
 #: files of a CURVE key folder (``--keys DIR``): the LLM servers' key pair and the routers' key
 #: pair, in ZeroMQ's certificate format (``zmq.auth.create_certificates``). A hosted model reads
 #: ``server.key_secret`` and accepts every public key (``*.key``) in the folder; a router reads
-#: ``client.key_secret`` and checks its peers against ``server.key``. A server needs only
-#: ``server.key_secret`` and ``client.key``; a router only ``client.key_secret`` and ``server.key``.
+#: ``router.key_secret`` and checks its peers against ``server.key``. A server needs only
+#: ``server.key_secret`` and ``router.key``; a router only ``router.key_secret`` and ``server.key``.
 KEY_FILES: Dict[str, str] = {
     "server_secret": "server.key_secret",
     "server_public": "server.key",
-    "client_secret": "client.key_secret",
-    "client_public": "client.key",
+    "client_secret": "router.key_secret",
+    "client_public": "router.key",
 }
 
 #: parameters of every LLM model on the ``gpu`` target (a KIND_GPU instance is also set)
@@ -366,7 +366,7 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
                    help="JSON {model: endpoint | [endpoints]} (merged with --remote)")
     r.add_argument("--peer-port", type=int, default=0, help="hosted LLM models listen on this TCP port (+1, …)")
     r.add_argument("--peer-host", default="0.0.0.0", help="address the peer port binds to")
-    r.add_argument("--keys", default="", help="CURVE key folder (server.key_secret, client.key, …)")
+    r.add_argument("--keys", default="", help="CURVE key folder (server.key_secret, router.key, …)")
     r.add_argument("--no-curve", action="store_true", help="TCP peers without CURVE (trusted networks only)")
     r.add_argument("--gpus", default="", help="gpu target: MODEL=INDEX,… (default 0)")
     r.add_argument("--model-path", action="append", default=[], metavar="MODEL=PATH",
