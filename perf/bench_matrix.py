@@ -34,6 +34,13 @@ Measurement (per cell: mode × concurrency N × max output tokens):
   boundaries).  Ratios of tokenrouter against each baseline come with a 95 %
   interval from the windows' spread; the SLM-only ceiling and the fraction of
   it tokenrouter reaches, and e2e p99/p50, are in the tables.
+* **interleaved repeats** (``--repeats R``, steady state): the sequence of modes
+  of a (N, length) runs R times, A B A B ..., so a slow drift of the machine (a
+  shared VM) weighs on every mode alike.  The merged row's throughput spread is
+  over all windows of all repeats; its latency percentiles are the median over
+  the repeats, its counters the sum.  A ratio of two modes is then *paired*: the
+  geometric mean of the R per-repeat ratios with a 95 % Student-t interval of
+  their logs (:func:`ratio_interval`).
 * **one shot** (``--one-shot``): every client sends ``--requests-per-client``
   requests; throughput is all tokens over the cell's wall time (the slowest
   request ends it), the older figure.
@@ -72,6 +79,8 @@ import argparse
 import json
 import math
 import os
+import re
+import statistics
 import subprocess
 import sys
 import time
@@ -83,7 +92,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from loadgen import SteadyLoad, load_tokenizer, run_load, summarize, window_summary  # noqa: E402
+from loadgen import SteadyLoad, load_tokenizer, run_load, spread, summarize, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
@@ -271,50 +280,64 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
         for L in args.max_tokens:
             for N in args.concurrency:
                 bstar = wait_us = None
-                for mode in _mode_order(args.modes):
-                    for m in MODELS:
-                        admin.configure(url, m, **RESET)
-                    router = "token_router"
-                    if mode == "tokenrouter":
-                        if bstar is None:  # eager-async not selected: profile an eager run first
-                            start = {m: _events_size(events[m]) for m in MODELS}
-                            eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
+                by_mode: Dict[str, List[Dict[str, Any]]] = {}
+                for rep in range(args.repeats):
+                    for mode in _mode_order(args.modes):
+                        for m in MODELS:
+                            admin.configure(url, m, **RESET)
+                        router = "token_router"
+                        if mode == "tokenrouter":
+                            if bstar is None:  # eager-async not selected: profile an eager run first
+                                start = {m: _events_size(events[m]) for m in MODELS}
+                                eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
+                                lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
+                                bstar = b_star_from_events(lines, N, work)
+                                wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
+                                for m in MODELS:
+                                    admin.configure(url, m, **RESET)
+                            B = dict(bstar["B_star"])
+                            B.update(args.batch_override)
+                            for m in MODELS:
+                                admin.configure(url, m, delayed_batch_size=int(B[m]),
+                                                delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
+                        elif mode == "std-serving":
+                            for m in MODELS:
+                                admin.configure(url, m, readmit_on_resume=True)
+                        elif mode == "lock-step":
+                            for m in MODELS:
+                                admin.configure(url, m, lockstep_group=",".join(MODELS))
+                        elif mode == "llm-only":
+                            router = "token_router_llm_only"
+                        elif mode == "slm-only":
+                            router = "token_router_slm_only"
+                        elif mode == "tokenrouter-triton":  # the batcher groups arrivals; the loop steps at once
+                            router = "token_router_triton"
+                        start = {m: _events_size(events[m]) for m in MODELS}
+                        row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
+                               **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok, probe=probe)}
+                        if mode == "eager-async" and "tokenrouter" in args.modes and rep == 0:
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
                             bstar = b_star_from_events(lines, N, work)
-                            wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
-                            for m in MODELS:
-                                admin.configure(url, m, **RESET)
-                        B = dict(bstar["B_star"])
-                        B.update(args.batch_override)
-                        for m in MODELS:
-                            admin.configure(url, m, delayed_batch_size=int(B[m]),
-                                            delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
-                    elif mode == "std-serving":
-                        for m in MODELS:
-                            admin.configure(url, m, readmit_on_resume=True)
-                    elif mode == "lock-step":
-                        for m in MODELS:
-                            admin.configure(url, m, lockstep_group=",".join(MODELS))
-                    elif mode == "llm-only":
-                        router = "token_router_llm_only"
-                    elif mode == "slm-only":
-                        router = "token_router_slm_only"
-                    elif mode == "tokenrouter-triton":  # the batcher groups arrivals; the loop steps at once
-                        router = "token_router_triton"
-                    start = {m: _events_size(events[m]) for m in MODELS}
-                    row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
-                           **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok, probe=probe)}
-                    if mode == "eager-async" and "tokenrouter" in args.modes:
-                        lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-                        bstar = b_star_from_events(lines, N, work)
-                        wait_us = wait_bound_us(row["model_stats"], args.wait_factor)
-                    if mode == "tokenrouter":
-                        row["B_star"] = B
-                        row["B_dtmc"] = bstar["B_star"]
-                        row["wait_us"] = wait_us
-                        row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
-                    results["rows"].append(row)
-                    print(_line(pair, mode, N, L, row), flush=True)
+                            wait_us = wait_bound_us(row["model_stats"], args.wait_factor)
+                        if mode == "tokenrouter":
+                            row["B_star"] = B
+                            row["B_dtmc"] = bstar["B_star"]
+                            row["wait_us"] = wait_us
+                            row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
+                        by_mode.setdefault(mode, []).append(row)
+                        print(_line(pair, mode, N, L, row)
+                              + (f"  (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""), flush=True)
+                        if args.repeats > 1:
+                            results.setdefault("repeat_rows", []).append({**row, "repeat": rep})
+                        else:
+                            results["rows"].append(row)
+                        with open(os.path.join(out_dir, "results.json"), "w") as f:
+                            json.dump(results, f, indent=1)
+                if args.repeats > 1:
+                    for mode, rows in by_mode.items():
+                        results["rows"].append(merge_repeats(rows))
+                        print(_line(pair, mode, N, L, results["rows"][-1]) + f"  (merged, {len(rows)} repeats)",
+                              flush=True)
                     with open(os.path.join(out_dir, "results.json"), "w") as f:
                         json.dump(results, f, indent=1)
         for m in MODELS:
@@ -409,16 +432,69 @@ def _fmt(x: float, unit: str = "") -> str:
     return f"{x:.3g}{unit}"
 
 
+def merge_repeats(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One row from the R interleaved repeats of a cell (``--repeats``), in the same keys.
+
+    Throughput and requests/s: mean and :func:`loadgen.spread` over all windows of all
+    repeats, plus ``throughput_repeats`` (each repeat's mean, for paired ratios);
+    latency percentiles (``*_p50_s`` …): the median over the repeats; ``llm_share``,
+    ``handoffs_per_request``, ``warmup_s``: the mean; request/token counts and the
+    models' counter increases (``model_stats``): the sum; ``busy_share``: the spread of
+    the repeats' means.  Other keys (B*, settings) come from the first repeat.
+
+    Raises:
+        ValueError: ``rows`` is empty.
+    """
+    if not rows:
+        raise ValueError("no rows to merge")
+    out = dict(rows[0])
+    out["repeats"] = len(rows)
+    for key, windows in (("throughput", "throughput_tok_s_windows"), ("requests", "requests_per_s_windows")):
+        xs = [x for r in rows for x in r.get(windows, [])]
+        sp = spread(xs)
+        out[key], out[windows] = sp, xs
+        out["throughput_tok_s" if key == "throughput" else "requests_per_s"] = sp["mean"]
+    out["throughput_repeats"] = [r["throughput_tok_s"] for r in rows]
+    for k, v in rows[0].items():
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            continue
+        vals = [float(r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+        if re.fullmatch(r"\w+_p\d+_s", k):
+            out[k] = statistics.median(vals)
+        elif k in ("llm_share", "handoffs_per_request", "warmup_s", "window_s"):
+            out[k] = statistics.fmean(vals)
+        elif k in ("requests_started", "errors", "output_tokens", "windows"):
+            out[k] = type(v)(sum(vals))
+    if all("model_stats" in r for r in rows):
+        first = rows[0]["model_stats"]
+        out["model_stats"] = {m: {k: sum(r["model_stats"][m].get(k, 0) for r in rows) for k in first[m]} for m in first}
+    if all("busy_share" in r for r in rows):
+        out["busy_share"] = {m: spread([r["busy_share"][m]["mean"] for r in rows]) for m in rows[0]["busy_share"]}
+    return out
+
+
 def ratio_interval(a: Dict[str, Any], b: Dict[str, Any]) -> tuple:
     """Throughput ratio a / b of two rows with its 95 % interval from the windows' spread.
 
-    Delta method on the log ratio: half-width ``h = t_{0.975, n-1} · sqrt(sd_a²/(n_a·m_a²) +
+    Rows merged from interleaved repeats (``throughput_repeats`` of equal length R >= 2 on
+    both): the paired ratio, ``exp(mean_r log(a_r / b_r))`` with the interval
+    ``exp(mean ± t_{0.975, R-1} · sd / sqrt(R))`` of those logs, since each repeat of a and b
+    ran back to back on the same machine state.  Otherwise: delta method on the log ratio:
+    half-width ``h = t_{0.975, n-1} · sqrt(sd_a²/(n_a·m_a²) +
     sd_b²/(n_b·m_b²))`` with ``n = min(n_a, n_b)`` windows; the interval is ``(r·e^-h, r·e^h)``.
 
     Returns:
         ``(ratio, low, high)``; low/high NaN for one-shot rows or fewer than 2 windows; ratio
         NaN when b's throughput is 0 or missing.
     """
+    ra, rb = a.get("throughput_repeats") or [], b.get("throughput_repeats") or []
+    if len(ra) == len(rb) >= 2 and all(x > 0 for x in ra + rb):
+        from scipy.stats import t as student_t
+
+        logs = [math.log(x / y) for x, y in zip(ra, rb)]
+        m, sd = statistics.fmean(logs), statistics.stdev(logs)
+        h = float(student_t.ppf(0.975, len(logs) - 1)) * sd / math.sqrt(len(logs))
+        return math.exp(m), math.exp(m - h), math.exp(m + h)
     ma, mb = a.get("throughput_tok_s"), b.get("throughput_tok_s")
     if not ma or not mb or math.isnan(ma) or math.isnan(mb):
         return float("nan"), float("nan"), float("nan")
@@ -590,6 +666,9 @@ def main(argv=None) -> int:
                     help="steady state (the default): seconds of measurement per cell, warm-up and drain "
                          "excluded (default 12; --full: 120)")
     ap.add_argument("--windows", type=int, default=3, help="steady state: consecutive windows per cell (default 3)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="steady state: run each (N, length)'s modes this many times, interleaved (A B A B …); "
+                         "ratios are then paired per repeat (default 1)")
     ap.add_argument("--warmup-s", type=float, default=0.0,
                     help="steady state: minimum warm-up in seconds (besides every client finishing one request)")
     ap.add_argument("--one-shot", action="store_true",
@@ -646,8 +725,10 @@ def main(argv=None) -> int:
         ap.error("--requests-per-client is for --one-shot; the steady-state mode takes --duration")
     if a.duration is None:
         a.duration = 120.0 if a.full else 12.0
-    if a.duration <= 0 or a.windows < 1 or a.warmup_s < 0:
-        ap.error("--duration must be > 0, --windows >= 1, --warmup-s >= 0")
+    if a.duration <= 0 or a.windows < 1 or a.warmup_s < 0 or a.repeats < 1:
+        ap.error("--duration must be > 0, --windows >= 1, --warmup-s >= 0, --repeats >= 1")
+    if a.one_shot and a.repeats > 1:
+        ap.error("--repeats is for the steady-state mode")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = set(a.modes) - set(ALL_MODES) - set(EXTRA_MODES)
     if bad:
@@ -676,6 +757,7 @@ def main(argv=None) -> int:
                 "measurement": "one-shot" if a.one_shot else "steady-state",
                 "requests_per_client": a.requests_per_client if a.one_shot else None,
                 "duration_s": None if a.one_shot else a.duration, "windows": None if a.one_shot else a.windows,
+                "repeats": a.repeats,
                 "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor, "full": a.full,
                 "note": _scale_note(a)}
     results: Dict[str, Any] = {"settings": settings, "rows": []}

@@ -13,12 +13,15 @@ seconds; users above a lower level finish their request first):
 * ``fixed-B<b>`` for each b of ``--fixed-b``: SLM at 1, LLM at b with the delayed-batching
   wait bound ``--wait-us`` (0 for b = 1), through ``token_router``.
 
-Reported per variant: output tokens/s over the whole run (all output tokens of the
-requests / span from the first request's start to the last one's end), requests,
+Reported per variant: output tokens/s inside the load shape's ``--duration``, counted
+by the tokens' arrival times (the drain after the shape ends is left out), as the mean
+over the shape's cycles (one cycle = every level once) ± the 95 % half-width; requests,
 failures; for ``online`` also the B* solves and changes and the timeline of the
 thresholds (``tokenrouter_batch_threshold`` read every ``--sample-s``).  The summary
-compares online B* with the best fixed B over the whole run.  Results: ``--out``/
-results.json.
+compares online B* with the best fixed B over the whole run; with ``--rounds R`` the
+sequence of variants runs R times, interleaved, and the ratio is paired per round (the
+geometric mean of the R ratios, 95 % interval; a machine that drifts during the run then
+weighs on every variant alike).  Results: ``--out``/results.json.
 
     source deploy/env.sh
     python perf/bursty_online.py                                   # demo pair, 4 × 240 s (~20 min on 2 cores)
@@ -49,7 +52,8 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from loadgen import run_load  # noqa: E402
+from bench_matrix import ratio_interval  # noqa: E402
+from loadgen import run_load, spread  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import PAIRS, make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
@@ -111,7 +115,8 @@ def run_locust(http_url: str, router: str, args, workdir: str, name: str) -> Dic
     env = {**os.environ, "TOKENROUTER_MODEL": router, "TOKENROUTER_MAX_TOKENS": str(args.max_tokens),
            "TOKENROUTER_LEVELS": ",".join(str(n) for n in args.levels), "TOKENROUTER_STEP_S": str(args.step_s),
            "TOKENROUTER_DURATION_S": str(args.duration), "TOKENROUTER_LOCUST_RESULT": result,
-           "TOKENROUTER_SAMPLING": json.dumps(args.sampling)}
+           "TOKENROUTER_SAMPLING": json.dumps(args.sampling), "TOKENROUTER_WINDOW_S": str(args.duration),
+           "TOKENROUTER_WINDOWS": str(cycles(args))}
     cmd = [sys.executable, "-m", "locust", "-f", os.path.join(HERE, "locust_bursty.py"), "--headless",
            "--host", f"http://{http_url}", "--stop-timeout", "600", "--only-summary",
            "--csv", os.path.join(workdir, f"locust-{name}")]
@@ -121,6 +126,39 @@ def run_locust(http_url: str, router: str, args, workdir: str, name: str) -> Dic
         raise RuntimeError(f"locust ({name}) exited with {rc} and wrote no totals; see {log.name}")
     with open(result) as f:
         return json.load(f)
+
+
+def merge_rounds(rounds: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One variant's row over its ``--rounds`` runs: mean and spread over all their cycles,
+    ``rounds_tokens_per_s`` (each round's mean, for paired ratios), summed counts.
+
+    Raises:
+        ValueError: ``rounds`` is empty.
+    """
+    if not rounds:
+        raise ValueError("no rounds")
+    cycles_all = [x for r in rounds for x in r["cycles_tokens_per_s"]]
+    sp = spread(cycles_all)
+    out = {k: v for k, v in rounds[-1].items() if k not in ("round", "timeline")}
+    out.update(tokens_per_s=sp["mean"], ci95=sp["ci95"], min=sp["min"], max=sp["max"],
+               cycles_tokens_per_s=cycles_all, rounds_tokens_per_s=[r["tokens_per_s"] for r in rounds],
+               **{k: sum(r[k] for r in rounds) for k in ("tokens", "requests", "failures", "seconds")})
+    if "solves" in rounds[0]:
+        out.update(solves=sum(r["solves"] for r in rounds), changes=sum(r["changes"] for r in rounds),
+                   timelines=[r.get("timeline", []) for r in rounds])
+    return out
+
+
+def _as_matrix_row(row: Dict[str, Any]) -> Dict[str, Any]:
+    """A variant's row in the shape :func:`bench_matrix.ratio_interval` reads: mean and spread over the
+    cycles, and each round's mean (paired ratios when both rows ran >= 2 rounds)."""
+    return {"throughput_tok_s": row["tokens_per_s"], "throughput": spread(row["cycles_tokens_per_s"]),
+            "throughput_repeats": row["rounds_tokens_per_s"]}
+
+
+def cycles(args) -> int:
+    """Whole cycles of the load shape in ``--duration`` (one cycle = each level for ``--step-s``; at least 1)."""
+    return max(1, int(args.duration // (args.step_s * len(args.levels))))
 
 
 def configure_fixed(url: str, b_llm: int, wait_us: int) -> None:
@@ -136,6 +174,9 @@ def main(argv=None) -> int:
     ap.add_argument("--step-s", type=float, default=30.0, help="seconds per level (default 30)")
     ap.add_argument("--duration", type=float, default=240.0, help="seconds of load per variant (default 240)")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the variants' sequence this many times, interleaved (online, fixed-B1, …, "
+                         "online, …); the online / best-fixed ratio is then paired per round (default 1)")
     ap.add_argument("--fixed-b", default="1,2,4", help="the LLM thresholds of the fixed variants (default 1,2,4)")
     ap.add_argument("--wait-us", type=int, default=20000, help="fixed variants' wait bound for B > 1 (µs)")
     ap.add_argument("--online-interval-s", type=float, default=2.0)
@@ -151,6 +192,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bursty_online"))
     args = ap.parse_args(argv)
     args.levels = [int(x) for x in args.levels.split(",") if x.strip()]
+    if args.rounds < 1:
+        ap.error("--rounds must be >= 1")
     fixed = [int(x) for x in args.fixed_b.split(",") if x.strip()]
     args.sampling = {} if args.routing_threshold is None else {"routing_threshold": args.routing_threshold}
     variants = ["online"] + [f"fixed-B{b}" for b in fixed]
@@ -170,47 +213,60 @@ def main(argv=None) -> int:
                      else ""}
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), args.pair,
                         routers={ONLINE_ROUTER: online_params})
-    results: Dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "rows": []}
+    results: Dict[str, Any] = {"args": {k: v for k, v in vars(args).items()}, "rounds": [], "rows": []}
     print(f"== bursty load: N steps {args.levels} every {args.step_s:g} s for {args.duration:g} s per variant; "
           f"variants {variants}", flush=True)
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(work, "tritonserver.log")) as srv:
         url = srv.grpc_url
         run_load(url, ["Hello, who are you?"], 2, 8)  # warm-up
-        for v in variants:
-            timeline = None
-            if v == "online":
-                configure_fixed(url, 1, 0)
-                router = ONLINE_ROUTER
-                solves0 = router_metric(srv.metrics_url, "tokenrouter_batch_threshold_solves_total")
-                changes0 = router_metric(srv.metrics_url, "tokenrouter_batch_threshold_changes_total")
-                timeline = ThresholdTimeline(srv.metrics_url, args.sample_s)
-            else:
-                configure_fixed(url, int(v[len("fixed-B"):]), args.wait_us)
-                router = "token_router"
-            tot = run_locust(srv.http_url, router, args, work, v)
-            row = {"variant": v, "router": router, "tokens_per_s": tot["tokens_per_s"], "tokens": tot["tokens"],
-                   "requests": tot["requests"], "failures": tot["failures"], "seconds": tot["seconds"]}
-            if timeline is not None:
-                row["timeline"] = timeline.stop()
-                row["solves"] = router_metric(srv.metrics_url, "tokenrouter_batch_threshold_solves_total") - solves0
-                row["changes"] = router_metric(srv.metrics_url, "tokenrouter_batch_threshold_changes_total") - changes0
-                row["B_end"] = {m: admin.model_stats(url, m)["delayed_batch_size"] for m in MODELS}
-            results["rows"].append(row)
-            extra = (f"  solves {row['solves']:.0f}  changes {row['changes']:.0f}  B at the end {row['B_end']}"
-                     if v == "online" else "")
-            print(f"{v:10s} {row['tokens_per_s']:8.1f} tok/s  {row['requests']} requests  "
-                  f"{row['failures']} failed  {row['seconds']:.0f} s{extra}", flush=True)
-            with open(os.path.join(args.out, "results.json"), "w") as f:
-                json.dump(results, f, indent=1)
+        for rnd in range(args.rounds):
+            for v in variants:
+                timeline = None
+                if v == "online":
+                    configure_fixed(url, 1, 0)
+                    router = ONLINE_ROUTER
+                    solves0 = router_metric(srv.metrics_url, "tokenrouter_batch_threshold_solves_total")
+                    changes0 = router_metric(srv.metrics_url, "tokenrouter_batch_threshold_changes_total")
+                    timeline = ThresholdTimeline(srv.metrics_url, args.sample_s)
+                else:
+                    configure_fixed(url, int(v[len("fixed-B"):]), args.wait_us)
+                    router = "token_router"
+                tot = run_locust(srv.http_url, router, args, work, f"{v}-round{rnd + 1}")
+                sp = spread(tot["windows_tokens_per_s"])
+                row = {"variant": v, "router": router, "tokens_per_s": sp["mean"], "ci95": sp["ci95"],
+                       "min": sp["min"], "max": sp["max"], "cycles_tokens_per_s": tot["windows_tokens_per_s"],
+                       "tokens": tot["tokens"], "requests": tot["requests"], "failures": tot["failures"],
+                       "seconds": tot["seconds"], "whole_run_tokens_per_s": tot["tokens_per_s"]}
+                if timeline is not None:
+                    row["timeline"] = timeline.stop()
+                    m_url = srv.metrics_url
+                    row["solves"] = router_metric(m_url, "tokenrouter_batch_threshold_solves_total") - solves0
+                    row["changes"] = router_metric(m_url, "tokenrouter_batch_threshold_changes_total") - changes0
+                    row["B_end"] = {m: admin.model_stats(url, m)["delayed_batch_size"] for m in MODELS}
+                row["round"] = rnd
+                results["rounds"].append(row)
+                extra = (f"  solves {row['solves']:.0f}  changes {row['changes']:.0f}  B at the end {row['B_end']}"
+                         if v == "online" else "")
+                print(f"{v:10s} round {rnd + 1}/{args.rounds} {row['tokens_per_s']:8.1f} ± {row['ci95']:.1f} tok/s "
+                      f"[{row['min']:.1f}-{row['max']:.1f}]  {row['requests']} requests  "
+                      f"{row['failures']} failed  {row['seconds']:.0f} s{extra}", flush=True)
+                with open(os.path.join(args.out, "results.json"), "w") as f:
+                    json.dump(results, f, indent=1)
         configure_fixed(url, 1, 0)
+    for v in variants:
+        results["rows"].append(merge_rounds([r for r in results["rounds"] if r["variant"] == v]))
+        r = results["rows"][-1]
+        print(f"{v:10s} all rounds {r['tokens_per_s']:8.1f} ± {r['ci95']:.1f} tok/s [{r['min']:.1f}-{r['max']:.1f}]  "
+              f"per round {[round(x, 1) for x in r['rounds_tokens_per_s']]}", flush=True)
     rows = {r["variant"]: r for r in results["rows"]}
     fixed_rows = [r for r in results["rows"] if r["variant"] != "online"]
     if "online" in rows and fixed_rows:
         best = max(fixed_rows, key=lambda r: r["tokens_per_s"])
-        ratio = rows["online"]["tokens_per_s"] / best["tokens_per_s"] if best["tokens_per_s"] > 0 else float("nan")
-        results["summary"] = {"best_fixed": best["variant"], "online_over_best_fixed": ratio}
+        ratio, lo, hi = ratio_interval(_as_matrix_row(rows["online"]), _as_matrix_row(best))
+        results["summary"] = {"best_fixed": best["variant"], "online_over_best_fixed": ratio,
+                              "interval95": [lo, hi]}
         print(f"online B*: {rows['online']['tokens_per_s']:.1f} tok/s; best fixed ({best['variant']}): "
-              f"{best['tokens_per_s']:.1f} tok/s; ratio {ratio:.3f}", flush=True)
+              f"{best['tokens_per_s']:.1f} tok/s; ratio {ratio:.3f} ({lo:.3f}-{hi:.3f})", flush=True)
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump(results, f, indent=1)
     print(f"results: {os.path.join(args.out, 'results.json')} (run files in {work})")

@@ -15,7 +15,16 @@ prompt per line; default perf/prompts.txt), TOKENROUTER_MODEL (the router model,
 default token_router), TOKENROUTER_SAMPLING (JSON object merged into the sampling
 parameters, e.g. '{"routing_threshold": 0.1}'), TOKENROUTER_LOCUST_RESULT (file: the
 totals are also written there as JSON: tokens, requests, failures, start/end in
-``time.perf_counter()`` seconds, tokens_per_s).
+``time.perf_counter()`` seconds, tokens_per_s), TOKENROUTER_WINDOW_S (seconds: also
+count the tokens streamed inside the window of this length that opens with the first
+request, by their arrival times, so that the drain after the load stops is left out:
+``window_tokens``, ``window_s``, ``window_tokens_per_s`` in the result file),
+TOKENROUTER_WINDOWS (split that window into this many equal parts, default 1:
+``windows_tokens_per_s`` lists each part's tokens/s, for a spread).
+
+A chunk carries a text delta, not a token count: a request's tokens are spread over
+its chunks in proportion to their characters (``loadgen.token_arrival_times`` without
+a tokenizer).
 """
 
 from __future__ import annotations
@@ -28,17 +37,23 @@ import time
 
 from locust import HttpUser, events, task
 
+from loadgen import token_arrival_times
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROMPTS_FILE = os.environ.get("TOKENROUTER_PROMPTS", os.path.join(HERE, "prompts.txt"))
 MAX_TOKENS = int(os.environ.get("TOKENROUTER_MAX_TOKENS", "64"))
 MODEL = os.environ.get("TOKENROUTER_MODEL", "token_router")
 SAMPLING = json.loads(os.environ.get("TOKENROUTER_SAMPLING", "") or "{}")
 RESULT_FILE = os.environ.get("TOKENROUTER_LOCUST_RESULT", "")
+WINDOW_S = float(os.environ.get("TOKENROUTER_WINDOW_S", "0") or 0)
+WINDOWS = max(1, int(os.environ.get("TOKENROUTER_WINDOWS", "1") or 1))
 with open(PROMPTS_FILE, encoding="utf-8") as f:
     PROMPTS = [line.strip() for line in f if line.strip()]
 
 _lock = threading.Lock()
 _totals = {"tokens": 0, "requests": 0, "failures": 0, "start": None, "end": None}
+#: arrival time (perf_counter s) of every output token of every request
+_token_times: list = []
 
 
 class StreamingUser(HttpUser):
@@ -52,6 +67,7 @@ class StreamingUser(HttpUser):
         fire = self.environment.events.request.fire
         t0 = time.perf_counter()
         last, ttft, n_tokens, err = None, None, 0, None
+        chunks = []
         with self.client.post(f"/v2/models/{MODEL}/generate_stream", json=body, stream=True,
                               catch_response=True, name="generate_stream") as resp:
             for line in resp.iter_lines(decode_unicode=True):
@@ -63,6 +79,7 @@ class StreamingUser(HttpUser):
                     break
                 now = time.perf_counter()
                 if ev.get("text_output"):
+                    chunks.append((now, ev["text_output"]))
                     if ttft is None:
                         ttft = now - t0
                         fire(request_type="TTFT", name=MODEL, response_time=ttft * 1000,
@@ -86,6 +103,8 @@ class StreamingUser(HttpUser):
             _totals["tokens"] += n_tokens
             _totals["start"] = t0 if _totals["start"] is None else min(_totals["start"], t0)
             _totals["end"] = t1 if _totals["end"] is None else max(_totals["end"], t1)
+            if n_tokens and not err:
+                _token_times.extend(token_arrival_times(chunks, [0] * n_tokens, t1, None))
 
 
 @events.quitting.add_listener
@@ -95,6 +114,16 @@ def _report(environment, **_kw) -> None:
         print(f"decode throughput: {tps:.1f} tokens/s ({_totals['tokens']} output tokens)")
     if RESULT_FILE:
         span = (_totals["end"] - _totals["start"]) if _totals["start"] is not None else 0.0
+        out = {**_totals, "seconds": span, "tokens_per_s": _totals["tokens"] / span if span > 0 else 0.0}
+        if WINDOW_S > 0 and _totals["start"] is not None:
+            t0, t1 = _totals["start"], _totals["start"] + WINDOW_S
+            n = sum(1 for t in _token_times if t0 <= t < t1)
+            part = WINDOW_S / WINDOWS
+            each = [0] * WINDOWS
+            for t in _token_times:
+                if t0 <= t < t1:
+                    each[min(WINDOWS - 1, int((t - t0) // part))] += 1
+            out.update(window_s=WINDOW_S, window_tokens=n, window_tokens_per_s=n / WINDOW_S,
+                       windows_tokens_per_s=[k / part for k in each])
         with open(RESULT_FILE, "w", encoding="utf-8") as f:
-            json.dump({**_totals, "seconds": span,
-                       "tokens_per_s": _totals["tokens"] / span if span > 0 else 0.0}, f)
+            json.dump(out, f)

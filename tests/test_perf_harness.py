@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -115,6 +116,33 @@ def test_ratio_interval_from_window_spread():
     assert r == 2.0 and lo == pytest.approx(2 * math.exp(-h)) and hi == pytest.approx(2 * math.exp(h))
     r1, lo1, _ = ratio_interval({"throughput_tok_s": 20.0}, b)  # one-shot row: ratio without an interval
     assert r1 == 2.0 and math.isnan(lo1)
+
+
+def test_interleaved_repeats_merge_and_pair():
+    from bench_matrix import merge_repeats, ratio_interval
+
+    def row(tps, ttft, started, steps, busy):
+        return {"mode": "m", "throughput_tok_s": statistics.fmean(tps), "throughput_tok_s_windows": tps,
+                "requests_per_s": 1.0, "requests_per_s_windows": [1.0] * len(tps), "ttft_p50_s": ttft,
+                "llm_share": 0.1 * started, "requests_started": started, "model_stats": {"slm": {"steps": steps}},
+                "busy_share": {"slm": spread([busy])}, "B_star": {"slm": 1}}
+
+    slow, fast = [row([9.0, 11.0], 1.0, 2, 3, 0.5), row([19.0, 21.0], 3.0, 4, 5, 0.7)], []
+    m = merge_repeats(slow)
+    assert m["repeats"] == 2 and m["throughput_tok_s"] == 15.0 and m["throughput"]["n"] == 4
+    assert m["throughput_repeats"] == [10.0, 20.0] and m["ttft_p50_s"] == 2.0  # median over repeats
+    assert m["llm_share"] == pytest.approx(0.3) and m["requests_started"] == 6  # mean; sum
+    assert m["model_stats"]["slm"]["steps"] == 8 and m["busy_share"]["slm"]["mean"] == pytest.approx(0.6)
+    assert m["B_star"] == {"slm": 1}
+    # a machine that drifts between repeats: each repeat of b is 1.25x its a; the pair cancels the drift
+    fast = merge_repeats([row([x * 1.25 for x in r["throughput_tok_s_windows"]], 1.0, 1, 1, 0.5) for r in slow])
+    r, lo, hi = ratio_interval(fast, m)
+    assert r == pytest.approx(1.25) and lo == pytest.approx(1.25) and hi == pytest.approx(1.25)
+    # unpaired (delta method over the windows) the drift widens the interval
+    r2, lo2, hi2 = ratio_interval({**fast, "throughput_repeats": None}, {**m, "throughput_repeats": None})
+    assert r2 == pytest.approx(1.25) and lo2 < 1.0 < hi2
+    with pytest.raises(ValueError):
+        merge_repeats([])
 
 
 @pytest.fixture(scope="module")

@@ -37,7 +37,9 @@ def server(tmp_path_factory):
     shutil.rmtree(repo / "token_router")
     s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
                      log_path=work / "tritonserver.log",
-                     extra_args=["--model-control-mode=explicit", "--load-model=*"])
+                     # the killed model's old instance stays unloading while BLS requests were in
+                     # flight (docs/transport.md): do not wait Triton's default 30 s for it at exit
+                     extra_args=["--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=5"])
     s.start()
     s.seen = _Seen()
     s.seen.note(s)
