@@ -88,6 +88,33 @@ def test_release_is_idempotent_and_capacity_checked(engine):
 
 
 
+def test_free_slots_kept_in_order_and_logits_unchanged(engine):
+    """Released slots go back to the allocator's free list in ascending order before the next
+    allocation (KV locality), and where a request's slots lie does not change its logits."""
+    tok = engine.tokenizer
+    free = lambda: engine.runner.token_to_kv_pool_allocator.free_pages  # noqa: E731
+    ref, _ = _greedy(engine, "ref", tok.encode("The capital of France is"), 3)
+    seqs = [engine.add(f"o{i}", tok.encode(f"Request number {i} says")) for i in range(4)]
+    engine.forward(seqs)
+    for s in seqs:
+        s.tokens.append(11)
+    engine.forward(seqs)  # decode slots of the four requests interleave
+    for i in (2, 0, 3):  # released out of order: SGLang appends their slots at the tail
+        engine.release(seqs[i])
+    f = free()
+    assert not bool((f[1:] >= f[:-1]).all()), "the release order should leave the free list unsorted"
+    seqs[1].tokens.append(12)
+    engine.forward([seqs[1]])  # the next step sorts before it allocates
+    f = free()
+    assert bool((f[1:] > f[:-1]).all())
+    engine.release(seqs[1])
+    # the same request in slots taken from the re-ordered pool: the same logits
+    again, _ = _greedy(engine, "ref2", tok.encode("The capital of France is"), 3)
+    for a, b in zip(ref, again):
+        assert torch.equal(a, b)
+    assert engine.kv_tokens_in_use() == 0
+
+
 def _logits_of_batches(e, tag):
     """Logits of a prefill, a decode and a two-token resume for batches of 1, 3 and 6 requests."""
     tok = e.tokenizer

@@ -304,6 +304,7 @@ class SGLangEngine:
         else:
             self._capture_mode = None
         self._torch_threads = torch.get_num_threads()
+        self._free_slots_unsorted = False  # see _sort_free_slots
         self.prepacked_layers = 0
         if not on_gpu and cfg.cpu_linear_weights != "rowmajor":
             from .sglang_cpu_compat import prepack_linear_weights
@@ -353,11 +354,32 @@ class SGLangEngine:
             if n > 0:
                 slots = pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64).clone()
                 self.runner.token_to_kv_pool_allocator.free(slots)
+                self._free_slots_unsorted = True
             pool.free(req)
             req.kv.mark_kv_released()
         seq.req = None
         seq.kv_len = 0
         self._seqs.pop(seq.rid, None)
+
+    def _sort_free_slots(self) -> None:
+        """Put the KV pool's free slots back in ascending order (before the next allocation).
+
+        SGLang's token allocator hands out slots from the head of its free list and
+        appends freed ones at the tail, so as requests of different lengths end, the
+        list becomes a permutation of the pool and a request's new tokens land in
+        slots scattered over it. Attention then gathers K/V rows from all over the
+        pool instead of a few strided runs. Measured with SmolLM2-135M in bf16 on
+        one CPU thread, 24 requests of ~150 tokens: a decode step took 351 ms with a
+        shuffled free list and 230 ms with a sorted one (median of 4 alternations),
+        and a long-running server slowed down step by step the same way. Sorting
+        32k int64 slot ids costs well under a millisecond, at most once per step.
+        """
+        a = self.runner.token_to_kv_pool_allocator
+        if getattr(a, "release_pages", None) is not None and len(a.release_pages) > 0:
+            a.merge_and_sort_free()  # SGLang's own deferred frees (need_sort allocators)
+        elif isinstance(getattr(a, "free_pages", None), torch.Tensor):
+            a.free_pages, _ = torch.sort(a.free_pages)
+        self._free_slots_unsorted = False
 
     # --------------------------------------------------------------- forward
     def _new_req(self, seq: Sequence):
@@ -415,6 +437,8 @@ class SGLangEngine:
             RuntimeError: SGLang could not allocate KV (check :meth:`check_fits` first).
         """
         t0 = time.perf_counter()
+        if self._free_slots_unsorted:
+            self._sort_free_slots()
         decode, extend = [], []
         for s in seqs:
             n = s.pending_tokens
