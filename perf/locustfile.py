@@ -18,7 +18,9 @@ totals are also written there as JSON: tokens, requests, failures, start/end in
 ``time.perf_counter()`` seconds, tokens_per_s), TOKENROUTER_WINDOW_S (seconds: also
 count the tokens streamed inside the window of this length that opens with the first
 request, by their arrival times, so that the drain after the load stops is left out:
-``window_tokens``, ``window_s``, ``window_tokens_per_s`` in the result file),
+``window_tokens``, ``window_s``, ``window_tokens_per_s`` in the result file; the tokens
+of requests still streaming when Locust stops count too, one per characters-per-token of
+the finished requests),
 TOKENROUTER_WINDOWS (split that window into this many equal parts, default 1:
 ``windows_tokens_per_s`` lists each part's tokens/s, for a spread).
 
@@ -52,8 +54,13 @@ with open(PROMPTS_FILE, encoding="utf-8") as f:
 
 _lock = threading.Lock()
 _totals = {"tokens": 0, "requests": 0, "failures": 0, "start": None, "end": None}
-#: arrival time (perf_counter s) of every output token of every request
+#: arrival time (perf_counter s) of every output token of every finished request
 _token_times: list = []
+#: the chunks ``(time, text)`` of requests still streaming (id -> list), and the characters
+#: per token of the finished ones (to count the tokens of those cut off when Locust stops)
+_in_flight: dict = {}
+_chars = {"chars": 0, "tokens": 0}
+_first = {"t": None}  # start of the first request, finished or not
 
 
 class StreamingUser(HttpUser):
@@ -68,6 +75,9 @@ class StreamingUser(HttpUser):
         t0 = time.perf_counter()
         last, ttft, n_tokens, err = None, None, 0, None
         chunks = []
+        with _lock:
+            _in_flight[id(chunks)] = chunks
+            _first["t"] = t0 if _first["t"] is None else min(_first["t"], t0)
         with self.client.post(f"/v2/models/{MODEL}/generate_stream", json=body, stream=True,
                               catch_response=True, name="generate_stream") as resp:
             for line in resp.iter_lines(decode_unicode=True):
@@ -103,8 +113,27 @@ class StreamingUser(HttpUser):
             _totals["tokens"] += n_tokens
             _totals["start"] = t0 if _totals["start"] is None else min(_totals["start"], t0)
             _totals["end"] = t1 if _totals["end"] is None else max(_totals["end"], t1)
+            _in_flight.pop(id(chunks), None)
             if n_tokens and not err:
                 _token_times.extend(token_arrival_times(chunks, [0] * n_tokens, t1, None))
+                _chars["chars"] += sum(len(c) for _t, c in chunks)
+                _chars["tokens"] += n_tokens
+
+
+def _cut_off_token_times() -> list:
+    """Estimated token arrival times of the requests still streaming when the run stopped:
+    each chunk counts its characters / the finished requests' characters per token
+    (4 when none finished), as whole tokens carried over from chunk to chunk."""
+    per_token = _chars["chars"] / _chars["tokens"] if _chars["tokens"] else 4.0
+    out = []
+    for chunks in list(_in_flight.values()):
+        owed = 0.0
+        for t, text in chunks:
+            owed += len(text) / per_token
+            while owed >= 1.0:
+                out.append(t)
+                owed -= 1.0
+    return out
 
 
 @events.quitting.add_listener
@@ -112,15 +141,20 @@ def _report(environment, **_kw) -> None:
     if _totals["start"] is not None and _totals["end"] > _totals["start"]:
         tps = _totals["tokens"] / (_totals["end"] - _totals["start"])
         print(f"decode throughput: {tps:.1f} tokens/s ({_totals['tokens']} output tokens)")
+    else:
+        print("decode throughput: no request finished during the run (raise -t or lower "
+              "TOKENROUTER_MAX_TOKENS); tokens of requests cut off are counted in the window figures only")
     if RESULT_FILE:
         span = (_totals["end"] - _totals["start"]) if _totals["start"] is not None else 0.0
         out = {**_totals, "seconds": span, "tokens_per_s": _totals["tokens"] / span if span > 0 else 0.0}
-        if WINDOW_S > 0 and _totals["start"] is not None:
-            t0, t1 = _totals["start"], _totals["start"] + WINDOW_S
-            n = sum(1 for t in _token_times if t0 <= t < t1)
+        times = _token_times + _cut_off_token_times()
+        start = _first["t"]
+        if WINDOW_S > 0 and start is not None:
+            t0, t1 = start, start + WINDOW_S
+            n = sum(1 for t in times if t0 <= t < t1)
             part = WINDOW_S / WINDOWS
             each = [0] * WINDOWS
-            for t in _token_times:
+            for t in times:
                 if t0 <= t < t1:
                     each[min(WINDOWS - 1, int((t - t0) // part))] += 1
             out.update(window_s=WINDOW_S, window_tokens=n, window_tokens_per_s=n / WINDOW_S,

@@ -92,6 +92,21 @@ def test_size_realistic_config(smollm2_dir):
     assert a == b
 
 
+
+def test_repository_variant_rejects_an_unknown_transport(repo_root, tmp_path):
+    from tokenrouter.repository import add_router, make_variant
+
+    out = tmp_path / "variant"
+    with pytest.raises(ValueError, match="transport must be one of"):
+        make_variant(str(repo_root / "model_repository"), str(out), routers={"r2": {"transport": "bogus"}})
+    assert not out.exists()  # refused before anything was written
+    repo = make_variant(str(repo_root / "model_repository"), str(out), routers={"r3": {"transport": "Triton"}})
+    assert (Path(repo) / "r3" / "config.pbtxt").exists()
+    with pytest.raises(ValueError, match="transport must be one of"):
+        add_router(repo, "r4", {"transport": "http"})
+    assert not (Path(repo) / "r4").exists()
+
+
 ECHO_MODEL = textwrap.dedent('''
     import locale
     locale.setlocale(locale.LC_ALL, "C.UTF-8")  # the stub runs in the C locale

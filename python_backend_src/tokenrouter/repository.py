@@ -73,8 +73,18 @@ def set_parameters(path: str, params: Mapping[str, object], header: str = "") ->
     write_config(path, cfg, header)
 
 
+#: the router's ``transport`` values (checked again when the router loads)
+TRANSPORTS = ("zmq", "triton")
+
+
 def add_router(repo: str, name: str, params: Mapping[str, object], src: str = "token_router") -> None:
-    """Add a router model ``name`` to ``repo``: a copy of ``src`` with other parameters."""
+    """Add a router model ``name`` to ``repo``: a copy of ``src`` with other parameters.
+
+    Raises:
+        ValueError: ``params`` sets ``transport`` to a value not in :data:`TRANSPORTS`.
+    """
+    if "transport" in params and str(params["transport"]).strip().lower() not in TRANSPORTS:
+        raise ValueError(f"router {name}: transport must be one of {TRANSPORTS}, got {params['transport']!r}")
     dst = os.path.join(repo, name)
     shutil.copytree(os.path.join(repo, src), dst, ignore=shutil.ignore_patterns("__pycache__"))
     cfg = read_config(os.path.join(dst, "config.pbtxt"))
@@ -100,10 +110,15 @@ def make_variant(src: str, out: str, pair: str = "demo",
         ``out``.
 
     Raises:
-        ValueError: unknown pair, or an override names a model not in ``src``.
+        ValueError: unknown pair, an override names a model not in ``src``, or a router's
+            ``transport`` is unknown (checked before anything is written).
     """
     if pair not in PAIRS:
         raise ValueError(f"unknown pair {pair!r}; known: {sorted(PAIRS)}")
+    for name, params in (routers or {}).items():
+        t = params.get("transport")
+        if t is not None and str(t).strip().lower() not in TRANSPORTS:
+            raise ValueError(f"router {name}: transport must be one of {TRANSPORTS}, got {t!r}")
     if os.path.exists(out):
         shutil.rmtree(out)
     shutil.copytree(src, out, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
