@@ -204,6 +204,7 @@ def main(argv=None) -> int:
             ap.error(f"unknown variants {sorted(unknown)}; known: {variants}")
         variants = want
     exit_on_termination()
+    args.out = os.path.abspath(args.out)  # Locust runs in perf/: its CSV paths must not be relative
     os.makedirs(args.out, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bursty-", dir=args.out)
     online_params = {"online_adaptation": "true", "online_interval_s": str(args.online_interval_s),
