@@ -246,6 +246,21 @@ def router_algorithm(pair: str, override: Dict[str, Any]) -> tuple:
     return algo, {**json.loads(base or "{}"), **override}
 
 
+def _save(results: Dict[str, Any], out_dir: str) -> None:
+    """Write ``results`` to ``out_dir``/results.json (after every cell, so a stopped run keeps its rows)."""
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def _model_bs(text: str) -> Dict[str, int]:
+    """``"slm=3,llm=6"`` → ``{"slm": 3, "llm": 6}``.
+
+    Raises:
+        ValueError: an item is not ``model=B`` with an integer B.
+    """
+    return {k.strip(): int(v) for k, v in (x.split("=") for x in text.split(",") if x)}
+
+
 def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     """All Triton cells of one pair in one tritonserver, then the no-Triton baseline."""
     from tokenrouter.repository import read_config
@@ -331,15 +346,13 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                             results.setdefault("repeat_rows", []).append({**row, "repeat": rep})
                         else:
                             results["rows"].append(row)
-                        with open(os.path.join(out_dir, "results.json"), "w") as f:
-                            json.dump(results, f, indent=1)
+                        _save(results, out_dir)
                 if args.repeats > 1:
                     for mode, rows in by_mode.items():
                         results["rows"].append(merge_repeats(rows))
                         print(_line(pair, mode, N, L, results["rows"][-1]) + f"  (merged, {len(rows)} repeats)",
                               flush=True)
-                    with open(os.path.join(out_dir, "results.json"), "w") as f:
-                        json.dump(results, f, indent=1)
+                    _save(results, out_dir)
         for m in MODELS:
             admin.configure(url, m, **RESET)
         results.setdefault("triton_batching", {})[pair] = triton_batching(srv.http_url)
@@ -420,8 +433,7 @@ def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: 
                        **measure_cell(gen, prompts, N, L, args, tokenizer=tok), "B_star": B}
                 results["rows"].append(row)
                 print(_line(pair, "no-triton", N, L, row), flush=True)
-                with open(os.path.join(out_dir, "results.json"), "w") as f:
-                    json.dump(results, f, indent=1)
+                _save(results, out_dir)
     finally:
         cluster.close()
 
@@ -699,7 +711,7 @@ def main(argv=None) -> int:
     if not a.pairs or set(a.pairs) - set(PAIRS):
         ap.error(f"--pairs: known pairs are {sorted(PAIRS)}")
     try:
-        a.batch_override = {k.strip(): int(v) for k, v in (x.split("=") for x in a.batch_override.split(",") if x)}
+        a.batch_override = _model_bs(a.batch_override)
     except ValueError:
         ap.error("--batch-override takes model=B pairs, e.g. slm=3,llm=6")
     if set(a.batch_override) - set(MODELS) or any(v < 1 for v in a.batch_override.values()):
@@ -734,7 +746,7 @@ def main(argv=None) -> int:
     if bad:
         ap.error(f"unknown modes {sorted(bad)}; known: {ALL_MODES + EXTRA_MODES}")
     try:
-        a.triton_batcher = {k.strip(): int(v) for k, v in (x.split("=") for x in a.triton_batcher.split(",") if x)}
+        a.triton_batcher = _model_bs(a.triton_batcher)
     except ValueError:
         ap.error("--triton-batcher takes model=B pairs, e.g. llm=3")
     if set(a.triton_batcher) - set(MODELS) or any(v < 1 for v in a.triton_batcher.values()):
