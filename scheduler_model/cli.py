@@ -1,8 +1,9 @@
 """Command line: ``python -m scheduler_model {solve,profile,simulate} …``.
 
 * ``solve --profile PROFILE.json [--json] [--write-config MODEL_REPOSITORY] [--method auto|exact|crn-racing]
-  [--max-states N] [--time-budget-s S] [--seed S] [--quantum-s Q]``
-  B* search; ``--json`` prints ``{"B_star", "throughput_tokens_per_s", "method", "states", "table", …}``,
+  [--max-states N] [--time-budget-s S] [--seed S] [--min-gain G] [--quantum-s Q]``
+  B* search (``--min-gain``, default 0.02: among B predicted within that relative gain of the
+  best, the one with the least waiting; :mod:`scheduler_model.search`); ``--json`` prints ``{"B_star", "throughput_tokens_per_s", "method", "states", "table", …}``,
   otherwise a readable table. ``--write-config`` writes B* into each model's config.pbtxt
   (:mod:`scheduler_model.config_writer`); ``--transport triton`` writes it for the router's
   Triton transport (dynamic batcher only; the decode loop's own delayed batching off).
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-states", type=int, default=500_000, help="per-chain state limit of the exact method")
     s.add_argument("--time-budget-s", type=float, default=20.0, help="auto: exact only if it fits this budget")
     s.add_argument("--seed", type=int, default=0, help="seed of crn-racing")
+    s.add_argument("--min-gain", type=float, default=0.02,
+                   help="relative predicted gain a B with more waiting needs over one with less (default 0.02; "
+                        "0 = plain argmax)")
     s.add_argument("--quantum-s", type=float, default=None, help="override the profile's quantum_s (s)")
     s.add_argument("--calibration", metavar="CALIB.json",
                    help="refit the calibrated models' step latency to this calibration (calibrate's output)")
@@ -107,6 +111,9 @@ def _fmt_B(B: dict) -> str:
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
+    if args.min_gain < 0:
+        print(f"error: --min-gain must be >= 0, got {args.min_gain}", file=sys.stderr)
+        return 2
     from . import config_writer
     from .profile import load_profile
     from .search import find_B_star
@@ -123,7 +130,7 @@ def cmd_solve(args: argparse.Namespace) -> int:
         prof = apply_calibration(prof, load_calibration(args.calibration))
     system = System.from_profile(prof)
     res = find_B_star(system, method=args.method, max_states=args.max_states,
-                      time_budget_s=args.time_budget_s, seed=args.seed)
+                      time_budget_s=args.time_budget_s, seed=args.seed, min_gain=args.min_gain)
     out = res.to_json()
     out["concurrency"] = system.N
     out["step_latency_s"] = {m: [round(system.latency_s(i, b), 6) for b in range(1, system.max_batch[i] + 1)]

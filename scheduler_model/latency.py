@@ -306,6 +306,39 @@ def fit_step_latency(batch_size: Iterable[int], extend_tokens: Iterable[float], 
                             extra_extend_tokens_per_row=xbar, fit=fit)
 
 
+def contention_scale(events: Tuple[Sequence[int], Sequence[float], Sequence[float]],
+                     calibration: Tuple[Sequence[int], Sequence[float], Sequence[float]],
+                     min_points: int = 3) -> float:
+    """κ, the factor that brings calibration steps to the step times seen while serving.
+
+    A calibration (:mod:`scheduler_model.calibrate`) times each model alone, while the served
+    steps of one model run while the other models step too and share the machine (memory
+    bandwidth, cores).  Fitting both as they are would join two curves at the edge of the
+    served batch sizes.  κ is the median, over the batch sizes b where the events hold at least
+    ``min_points`` pure decode steps and the calibration holds decode steps, of
+    ``median(event decode L at b) / median(calibration decode L at b)``; calibration latencies
+    are multiplied by κ before the joint fit, so the events set the level and the calibration
+    the shape beyond the served batch sizes.
+
+    Args:
+        events, calibration: (batch sizes, extend tokens, latencies in s), as passed to
+            :func:`fit_step_latency` and returned by :func:`calibration_points`.
+        min_points: event decode steps needed at a batch size for it to count.
+    Returns:
+        κ > 0 (1.0 when no batch size is shared).
+    """
+    def decode_medians(pts, need):
+        by: Dict[int, List[float]] = {}
+        for b, x, L in zip(*pts):
+            if x == 0:
+                by.setdefault(int(b), []).append(float(L))
+        return {b: float(np.median(v)) for b, v in by.items() if len(v) >= need}
+
+    ev, cal = decode_medians(events, min_points), decode_medians(calibration, 1)
+    ratios = [ev[b] / cal[b] for b in sorted(set(ev) & set(cal)) if cal[b] > 0]
+    return float(np.median(ratios)) if ratios else 1.0
+
+
 # ---------------------------------------------------------------------------- calibration files
 def calibration_points(calib: Mapping[str, Any], model: str) -> Tuple[List[int], List[float], List[float]]:
     """(batch sizes, extend tokens, latencies in s) of one model's calibration steps.

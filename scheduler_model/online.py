@@ -220,7 +220,8 @@ class OnlineAdapter:
         if key not in self._cache:
             if len(self._cache) > 64:
                 self._cache.clear()
-            self._cache[key] = find_B_star(System.from_profile(prof), **self.search_kwargs)
+            kw = {"min_gain": self.min_gain, **self.search_kwargs}  # its tie rule: the same gain as the hysteresis
+            self._cache[key] = find_B_star(System.from_profile(prof), **kw)
         return self._cache[key]
 
     def recommend(self, force: bool = False) -> Recommendation:

@@ -58,7 +58,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .errors import EventLogError, ProfileError
-from .latency import calibration_points, fit_step_latency
+from .latency import calibration_points, contention_scale, fit_step_latency
 from .system import DEFAULT_QUANTUM_S, System
 
 
@@ -125,8 +125,10 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
         quantum_s: δ for the profile (s).
         fixed_thresholds: copied into the profile if given.
         run_lengths: derive the optional "run_lengths" field.
-        calibration: a calibration object (``python -m scheduler_model calibrate``); its steps
-            join the event steps in each model's latency fit (not in q and x̄).
+        calibration: a calibration object (``python -m scheduler_model calibrate``); its steps,
+            scaled by κ (:func:`scheduler_model.latency.contention_scale`, recorded as
+            ``fit.calibration_scale``), join the event steps in each model's latency fit (not
+            in q and x̄).
     Returns:
         A profile dict accepted by :meth:`System.from_profile`.
     Raises:
@@ -212,8 +214,11 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
             continue
         eb, ee, el = (list(c) for c in zip(*steps_obs[i]))
         cb, ce, cl = calibration_points(calibration, m) if calibration else ([], [], [])
-        lat_models[m] = fit_step_latency(eb + cb, ee + ce, el + cl, workload=(eb, ee),
+        kappa = contention_scale((eb, ee, el), (cb, ce, cl)) if cb else 1.0
+        lat_models[m] = fit_step_latency(eb + cb, ee + ce, el + [x * kappa for x in cl], workload=(eb, ee),
                                          source_counts={"events": len(eb), "calibration": len(cb)})
+        if cb:
+            lat_models[m].fit["calibration_scale"] = round(kappa, 6)
     profile: Dict[str, Any] = {
         "models": models,
         "concurrency": int(concurrency),

@@ -76,6 +76,20 @@ def test_solve_json_matches_dtmc(profile_path, capsys):
     assert all(r["B"]["slm"] == 1 for r in out["table"])
 
 
+def test_solve_min_gain(profile_path, capsys):
+    """--min-gain: a B that waits more must be predicted to gain that much; a huge one means eager."""
+    assert main(["solve", "--profile", profile_path, "--json", "--min-gain", "0"]) == 0
+    argmax = json.loads(capsys.readouterr().out)
+    best = max(argmax["table"], key=lambda r: r["throughput_tokens_per_s"])
+    assert argmax["B_star"] == best["B"]
+    assert main(["solve", "--profile", profile_path, "--json", "--min-gain", "100"]) == 0
+    eager = json.loads(capsys.readouterr().out)
+    assert eager["B_star"] == {"slm": 1, "llm": 1}
+    assert (eager["B_star"] == argmax["B_star"]) != any("less waiting" in n for n in eager["notes"])
+    assert main(["solve", "--profile", profile_path, "--min-gain", "-1"]) == 2
+    assert "--min-gain" in capsys.readouterr().err
+
+
 def test_solve_table_output(profile_path, capsys):
     assert main(["solve", "--profile", profile_path]) == 0
     text = capsys.readouterr().out

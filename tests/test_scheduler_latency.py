@@ -181,5 +181,49 @@ def test_batching_is_only_free_if_the_model_says_so():
     assert res.B_star == {"slm": 1, "llm": 1}
     cheap = StepLatencyModel(row_knots=[1, 8], decode_latency_s=[0.1, 0.107], slope_beyond_s=0.001)
     s2 = System(latency=[{b: 0.02 for b in range(1, 9)}, cheap.table(8)], latency_models=[None, cheap], **base)
-    res2 = find_B_star(s2, method="exact")
+    res2 = find_B_star(s2, method="exact", min_gain=0)
     assert res2.B_star["llm"] > 1
+    # ... but here by 0.6 % only: under the default 2 % tie rule the least waiting wins, with a note
+    T = {(r["B"]["slm"], r["B"]["llm"]): r["throughput_tokens_per_s"] for r in res2.table}
+    assert 1.0 < res2.throughput_tokens_per_s / T[(1, 1)] < 1.02
+    res3 = find_B_star(s2, method="exact")
+    assert res3.B_star == {"slm": 1, "llm": 1} and res3.throughput_tokens_per_s == T[(1, 1)]
+    assert any("less waiting" in n for n in res3.notes)
+    with pytest.raises(ValueError):
+        find_B_star(s2, method="exact", min_gain=-0.1)
+
+
+def test_calibration_scaled_to_the_served_level_extends_the_range():
+    """Served steps of b = 1-4 run 1.5x slower than the model alone (the other model steps too);
+    a calibration to b = 32 gives the shape beyond 4 at the served level, not a kink down to it."""
+    from scheduler_model.latency import contention_scale
+
+    rng = np.random.default_rng(3)
+    events, t = [], 0.0
+    for _ in range(400):
+        b = int(rng.integers(1, 5))
+        L = 1.5 * float(true_decode(b)) * (1 + 0.02 * rng.standard_normal())
+        t += L
+        events.append({"event": "step", "model": "llm", "batch_size": b, "latency_s": L, "tokens_committed": b,
+                       "extend_tokens": 0, "t": t})
+        events.append({"event": "step", "model": "slm", "batch_size": 4, "latency_s": 0.01, "tokens_committed": 4,
+                       "extend_tokens": 0, "t": t})
+    events.append({"event": "handoff", "request_id": "r", "step": 1, "from": "slm", "to": "llm",
+                   "tokens_committed": 0, "t": t})
+    sizes = [1, 2, 4, 8, 16, 32]
+    calib = {"models": {"llm": {"table": [{"batch_size": b, "decode_latency_s": [float(true_decode(b))] * 3}
+                                          for b in sizes]}}}
+    llm_steps = [e for e in events if e.get("model") == "llm"]
+    ev_pts = ([e["batch_size"] for e in llm_steps], [0.0] * len(llm_steps), [e["latency_s"] for e in llm_steps])
+    kappa = contention_scale(ev_pts, ([1, 2, 4, 8], [0.0] * 4, [float(true_decode(b)) for b in (1, 2, 4, 8)]))
+    assert kappa == pytest.approx(1.5, rel=0.02)
+    assert contention_scale(ev_pts, ([16], [0.0], [0.2])) == 1.0                  # nothing shared: unscaled
+    prof = profile_from_events(events, ["slm", "llm"], 32, quantum_s=0.002, calibration=calib)
+    lm = StepLatencyModel.from_json(prof["step_latency_model"]["llm"])
+    assert lm.fit["calibration_scale"] == pytest.approx(1.5, rel=0.02)
+    assert lm.row_knots[-1] == 32                                                  # the range the calibration saw
+    for b in (8, 16, 32):
+        assert lm.decode_s(b) == pytest.approx(1.5 * float(true_decode(b)), rel=0.05)
+    plain = StepLatencyModel.from_json(profile_from_events(events, ["slm", "llm"], 32,
+                                                           quantum_s=0.002)["step_latency_model"]["llm"])
+    assert "calibration_scale" not in plain.fit
