@@ -84,7 +84,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -122,11 +122,14 @@ def _read_slice(path: str, start: int) -> List[str]:
         return [ln.decode() for ln in f.read().splitlines() if ln.strip()]
 
 
-def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -> Dict[str, Any]:
+def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str,
+                       calibration: Optional[str] = None) -> Dict[str, Any]:
     """Profile the run's routing events and solve the DTMC for every model's threshold.
 
-    Runs ``python -m scheduler_model profile`` then ``solve --json`` (a 5 ms quantum keeps
-    the exact chain small for CPU step times of 50-300 ms).
+    Runs ``python -m scheduler_model profile`` (with ``--calibration`` when a calibration file
+    from :func:`calibrate_server` is given: the step-latency fit then spans its batch sizes)
+    then ``solve --json`` (a 5 ms quantum keeps the exact chain small for CPU step times of
+    50-300 ms).
 
     Returns:
         the solver's JSON (``B_star`` {model: B}, ``table``, ``throughput_tokens_per_s``, …) plus
@@ -142,7 +145,8 @@ def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -
     prof = os.path.join(workdir, f"profile-N{concurrency}.json")
     py = sys.executable
     made = subprocess.run([py, "-m", "scheduler_model", "profile", "--events", ev, "--models", ",".join(MODELS),
-                           "--concurrency", str(concurrency), "-o", prof], cwd=ROOT,
+                           "--concurrency", str(concurrency), "-o", prof]
+                          + (["--calibration", calibration] if calibration else []), cwd=ROOT,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if made.returncode != 0:  # e.g. no request reached the LLM: nothing to batch there
         print(f"  (no profile at N={concurrency}: {made.stderr.strip()}; B = 1)", flush=True)
@@ -155,6 +159,29 @@ def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str) -
     res = json.loads(out.stdout)
     res["profile"] = profile
     return res
+
+
+def calibrate_server(url: str, max_n: int, path: str, context: int = 96, decode_steps: int = 4) -> str:
+    """Time each model's steps alone at batch sizes 1, 2, 4, … up to ``max_n`` (and ``max_n``).
+
+    ``python -m scheduler_model calibrate`` in-process: the events of a served run hold only
+    the batch sizes that run formed (an eager LLM at N = 32 steps 1-4 rows), so the DTMC would
+    extrapolate beyond them; the calibration gives the latency model the shape up to N, and
+    ``profile`` scales it to the served level (:func:`scheduler_model.latency.contention_scale`).
+    The models must be idle.  Writes the calibration JSON to ``path`` and returns ``path``.
+
+    Raises:
+        RuntimeError: a model refused (busy, KV pool too small for ``max_n`` rows of ``context``).
+    """
+    from scheduler_model.calibrate import run_calibration
+
+    sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_n} | {int(max_n)})
+    t0 = time.time()
+    calib = run_calibration(url, MODELS, sizes, context=context, decode_steps=decode_steps)
+    with open(path, "w") as f:
+        json.dump(calib, f, indent=1)
+    print(f"  calibrated {MODELS} at batch sizes {sizes} (context {context}) in {time.time() - t0:.0f} s", flush=True)
+    return path
 
 
 def wait_bound_us(model_stats: Dict[str, Dict[str, float]], factor: float, model: str = "slm") -> int:
@@ -261,6 +288,32 @@ def _model_bs(text: str) -> Dict[str, int]:
     return {k.strip(): int(v) for k, v in (x.split("=") for x in text.split(",") if x)}
 
 
+ROUTER_OF_MODE = {"llm-only": "token_router_llm_only", "slm-only": "token_router_slm_only",
+                  "tokenrouter-triton": "token_router_triton"}
+
+
+def configure_mode(url: str, mode: str, B: Optional[Dict[str, int]] = None, wait_us: int = 0) -> str:
+    """Put the models of a running server into ``mode``'s settings (module docstring's modes).
+
+    Every model is first reset to eager (:data:`RESET`); ``tokenrouter`` then sets each model's
+    delayed-batching threshold ``B[model]`` with the wait bound ``wait_us`` (µs) where B > 1.
+    ``tokenrouter-triton`` leaves the decode loops eager: Triton's batcher groups arrivals.
+
+    Returns:
+        the router model the mode's requests go to.
+    """
+    for m in MODELS:
+        admin.configure(url, m, **RESET)
+    for m in MODELS:
+        if mode == "tokenrouter":
+            admin.configure(url, m, delayed_batch_size=int(B[m]), delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
+        elif mode == "std-serving":
+            admin.configure(url, m, readmit_on_resume=True)
+        elif mode == "lock-step":
+            admin.configure(url, m, lockstep_group=",".join(MODELS))
+    return ROUTER_OF_MODE.get(mode, "token_router")
+
+
 def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     """All Triton cells of one pair in one tritonserver, then the no-Triton baseline."""
     from tokenrouter.repository import read_config
@@ -292,47 +345,29 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
         url = srv.grpc_url
         probe = lambda: {m: admin.model_stats(url, m) for m in MODELS}  # noqa: E731
         run_load(url, prompts, 2, 8)  # warm-up
+        calib = (calibrate_server(url, max(args.concurrency), os.path.join(work, "calibration.json"))
+                 if args.calibrate and "tokenrouter" in args.modes else None)
         for L in args.max_tokens:
             for N in args.concurrency:
                 bstar = wait_us = None
                 by_mode: Dict[str, List[Dict[str, Any]]] = {}
                 for rep in range(args.repeats):
                     for mode in _mode_order(args.modes):
-                        for m in MODELS:
-                            admin.configure(url, m, **RESET)
-                        router = "token_router"
-                        if mode == "tokenrouter":
-                            if bstar is None:  # eager-async not selected: profile an eager run first
-                                start = {m: _events_size(events[m]) for m in MODELS}
-                                eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
-                                lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-                                bstar = b_star_from_events(lines, N, work)
-                                wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
-                                for m in MODELS:
-                                    admin.configure(url, m, **RESET)
-                            B = dict(bstar["B_star"])
-                            B.update(args.batch_override)
-                            for m in MODELS:
-                                admin.configure(url, m, delayed_batch_size=int(B[m]),
-                                                delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
-                        elif mode == "std-serving":
-                            for m in MODELS:
-                                admin.configure(url, m, readmit_on_resume=True)
-                        elif mode == "lock-step":
-                            for m in MODELS:
-                                admin.configure(url, m, lockstep_group=",".join(MODELS))
-                        elif mode == "llm-only":
-                            router = "token_router_llm_only"
-                        elif mode == "slm-only":
-                            router = "token_router_slm_only"
-                        elif mode == "tokenrouter-triton":  # the batcher groups arrivals; the loop steps at once
-                            router = "token_router_triton"
+                        if mode == "tokenrouter" and bstar is None:  # no eager-async cell: profile one first
+                            configure_mode(url, "eager-async")
+                            start = {m: _events_size(events[m]) for m in MODELS}
+                            eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
+                            lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
+                            bstar = b_star_from_events(lines, N, work, calib)
+                            wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
+                        B = {**bstar["B_star"], **args.batch_override} if mode == "tokenrouter" else None
+                        router = configure_mode(url, mode, B, wait_us or 0)
                         start = {m: _events_size(events[m]) for m in MODELS}
                         row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
                                **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok, probe=probe)}
                         if mode == "eager-async" and "tokenrouter" in args.modes and rep == 0:
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-                            bstar = b_star_from_events(lines, N, work)
+                            bstar = b_star_from_events(lines, N, work, calib)
                             wait_us = wait_bound_us(row["model_stats"], args.wait_factor)
                         if mode == "tokenrouter":
                             row["B_star"] = B
@@ -689,6 +724,9 @@ def main(argv=None) -> int:
     ap.add_argument("--requests-per-client", type=int, default=None, help="--one-shot: default 1 (--full: 3)")
     ap.add_argument("--wait-factor", type=float, default=1.0,
                     help="delayed-batching wait bound in SLM step times (default 1)")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="fit the DTMC's step latency to the eager run's steps only (default: also to a "
+                         "calibration of each model at batch sizes up to max N, taken once after start)")
     ap.add_argument("--batch-override", default="",
                     help="use these B_i instead of the DTMC's B* in tokenrouter mode, e.g. slm=3 "
                          "(exploration; the table marks the B used)")
@@ -770,7 +808,8 @@ def main(argv=None) -> int:
                 "requests_per_client": a.requests_per_client if a.one_shot else None,
                 "duration_s": None if a.one_shot else a.duration, "windows": None if a.one_shot else a.windows,
                 "repeats": a.repeats,
-                "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor, "full": a.full,
+                "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor,
+                "calibrate": a.calibrate, "full": a.full,
                 "note": _scale_note(a)}
     results: Dict[str, Any] = {"settings": settings, "rows": []}
     print(f"settings: {settings}")

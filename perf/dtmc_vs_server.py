@@ -6,17 +6,25 @@ swept, on the size-realistic pair (real SmolLM2 SLM, larger random-weight LLM)
 through Triton, at each N (default 2, 4, 8, 32), with N clients sending
 requests back to back for the whole N (``perf/loadgen.py`` steady state):
 
+0. calibration (unless ``--no-calibrate``): each model's steps are timed alone
+   at batch sizes 1, 2, 4, … up to the largest N (``bench_matrix.calibrate_server``);
 1. eager run (B = 1 everywhere): its routing events become a profile
-   (``python -m scheduler_model profile``), and ``solve`` gives B* for every
-   model and the predicted throughput;
+   (``python -m scheduler_model profile``, its step-latency model fitted to the
+   served steps and the calibration scaled to their level), and ``solve`` gives
+   B* for every model and the predicted throughput;
 2. coordinate sweep on the running server (``configure`` op, the load keeps
    running; each point waits for its own warm-up: every client finishes a
    request sent after the change): B_llm over a log-ish grid with B_slm at the
    DTMC's value, then B_slm over the grid with B_llm at the best found (each
    grid always contains the DTMC's value, so B* itself is measured);
-3. print per N: the DTMC's B*, the measured-best B, measured throughput at both
-   (mean ± 95 % half-width over ``--windows`` windows) and whether B*'s
-   measured throughput is within 5 % of the best.
+3. confirmation (``--confirm R``, default 3), when the sweep's best is not B*:
+   B* and the best are measured again alternately R times (B*, best, B*, …) and
+   the verdict uses the paired ratio B*/best (geometric mean of the R ratios,
+   95 % Student-t interval): the sweep's best is the maximum of noisy points, so
+   taken alone it overstates the gap (winner's curse);
+4. print per N: the DTMC's B*, the measured-best B, measured throughput at both
+   (mean ± 95 % half-width over ``--windows`` windows), the sweep's and the
+   confirmed ratio, and whether B* is within 5 % of the best (ratio ≥ 0.95).
 
 Delayed batching uses a wait bound of ``--wait-factor`` × the SLM's mean step
 time in the eager run, the same rule as ``bench_matrix.py``'s tokenrouter mode,
@@ -25,10 +33,10 @@ at every sweep point.
 Run time here (2 cores, defaults: 32 tokens, 12 s per point): grid
 1,2,3,4,6,8,12,16,24,32 up to N gives 3 + 7 + 11 + 19 measured points plus 4
 eager runs; a point costs its warm-up (one request, ~2-15 s) and 12 s, so
-about 1 + 2 + 3.5 + 9 min + 2 min of server start ≈ 18 min (≤ 30 min even if
-requests take twice as long).
+about 1 + 2 + 3.5 + 9 min + 2 min of server start ≈ 18 min; the confirmation
+adds 2R points per N where the sweep's best is not B* (up to 8 min at R = 3).
 
-    source deploy/env.sh && python perf/dtmc_vs_server.py              # ~18 min here
+    source deploy/env.sh && python perf/dtmc_vs_server.py              # ~18-26 min here
     python perf/dtmc_vs_server.py --pair demo --concurrency 2 --max-tokens 16 --duration 3   # quick
 """
 
@@ -40,7 +48,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -49,7 +57,8 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
         sys.path.insert(0, p)
 
 from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _stats_delta,  # noqa: E402
-                          b_star_from_events, wait_bound_us)
+                          b_star_from_events, calibrate_server, ratio_interval,
+                          wait_bound_us)
 from loadgen import SteadyLoad, load_tokenizer, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
@@ -86,7 +95,7 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
     eager = load.measure(args.duration, args.windows, probe=probe, since=load.t_started)
     lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
     eager_s = window_summary(load.snapshot(), eager["bounds"], probes=eager["probes"])
-    sol = b_star_from_events(lines, N, out_dir)
+    sol = b_star_from_events(lines, N, out_dir, getattr(args, "calibration_path", None))
     wait_us = wait_bound_us(_stats_delta(eager["probes"][0], eager["probes"][-1]), args.wait_factor)
     star = {m: int(sol["B_star"][m]) for m in MODELS}
     predicted = {_key(r["B"]): r.get("throughput_tokens_per_s") for r in sol.get("table", []) if "B" in r}
@@ -95,14 +104,17 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
           flush=True)
     measured: Dict[Tuple[int, ...], Dict[str, Any]] = {}
 
+    def run_at(B: Dict[str, int]) -> Dict[str, Any]:
+        for m in MODELS:
+            admin.configure(url, m, delayed_batch_size=int(B[m]),
+                            delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
+        mm = load.measure(args.duration, args.windows, probe=probe)
+        return window_summary(load.snapshot(), mm["bounds"], probes=mm["probes"])
+
     def point(B: Dict[str, int]) -> float:
         k = _key(B)
         if k not in measured:
-            for m in MODELS:
-                admin.configure(url, m, delayed_batch_size=int(B[m]),
-                                delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
-            mm = load.measure(args.duration, args.windows, probe=probe)
-            s = window_summary(load.snapshot(), mm["bounds"], probes=mm["probes"])
+            s = run_at(B)
             measured[k] = {"B": dict(B), "throughput_tok_s": s["throughput_tok_s"], "throughput": s["throughput"],
                            "e2e_p50_s": s["e2e_p50_s"], "e2e_p99_s": s["e2e_p99_s"], "llm_share": s["llm_share"],
                            "errors": s["errors"], "dtmc_tok_s": predicted.get(k)}
@@ -122,14 +134,52 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
         point(star)
     best = max(measured.values(), key=lambda v: v["throughput_tok_s"])
     at_star = measured[_key(star)]
+    confirm = confirm_pair(run_at, star, best["B"], args.confirm, N) if _key(best["B"]) != _key(star) else None
+    if confirm:
+        ratio, lo, hi = confirm["ratio"], confirm["low"], confirm["high"]
+    else:  # B* is the sweep's best, or no confirmation: the sweep's own ratio
+        ratio = (at_star["throughput_tok_s"] / best["throughput_tok_s"]) if best["throughput_tok_s"] else float("nan")
+        lo = hi = float("nan")
     return {"N": N, "B_star_dtmc": star, "dtmc_tok_s": sol.get("throughput_tokens_per_s"),
             "method": sol.get("method"), "note": sol.get("note"), "wait_us": wait_us,
             "eager_tok_s": eager_s["throughput_tok_s"], "eager": eager_s["throughput"],
             "measured_at_B_star": at_star, "B_best_measured": best["B"], "measured_best": best,
-            "ratio_star_to_best": at_star["throughput_tok_s"] / best["throughput_tok_s"]
+            "sweep_ratio_star_to_best": at_star["throughput_tok_s"] / best["throughput_tok_s"]
             if best["throughput_tok_s"] else float("nan"),
-            "within_5pct": within(at_star["throughput_tok_s"], best["throughput_tok_s"]),
+            "confirm": confirm, "ratio_star_to_best": ratio, "ratio_low": lo, "ratio_high": hi,
+            "within_5pct": within(ratio, 1.0),
             "points": list(measured.values()), "profile": sol["profile"]}
+
+
+def confirm_pair(run_at, star: Dict[str, int], best: Dict[str, int], repeats: int, N: int
+                 ) -> Optional[Dict[str, Any]]:
+    """Measure B* and the sweep's best alternately ``repeats`` times; the paired ratio B*/best.
+
+    The sweep's best is the maximum of noisy points, so it is biased upward (winner's curse);
+    measuring both again, back to back (B*, best, B*, best, …), removes that bias and pairs the
+    ratios so that a drifting machine weighs on both alike.  ``run_at(B)`` configures the
+    server and returns :func:`loadgen.window_summary` of one measurement period.
+
+    Returns:
+        ``{"B_star": [tok/s …], "best": [tok/s …], "ratio", "low", "high"}`` (paired geometric-mean
+        ratio with its 95 % Student-t interval, :func:`bench_matrix.ratio_interval`), or None when
+        ``repeats`` < 1.
+    """
+    if repeats < 1:
+        return None
+    got: Dict[str, List[float]] = {"B_star": [], "best": []}
+    for r in range(repeats):
+        for name, B in (("B_star", star), ("best", best)):
+            got[name].append(run_at(B)["throughput_tok_s"])
+        print(f"N={N} confirm {r + 1}/{repeats}: B* {got['B_star'][-1]:.2f}, best {got['best'][-1]:.2f} tok/s",
+              flush=True)
+    ratio, lo, hi = ratio_interval({"throughput_repeats": got["B_star"], "throughput_tok_s": _mean(got["B_star"])},
+                                   {"throughput_repeats": got["best"], "throughput_tok_s": _mean(got["best"])})
+    return {**got, "ratio": ratio, "low": lo, "high": hi}
+
+
+def _mean(xs: List[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def _f(x, nd=2) -> str:
@@ -146,14 +196,16 @@ def markdown(report: Dict[str, Any]) -> str:
             lines.append(f"| {r['N']} | {_fmt_B(v['B'])} | {_f(v['throughput_tok_s'])} ±{_f(v['throughput']['ci95'])} | "
                          f"{_f(v['dtmc_tok_s'])} | {_f(v['e2e_p50_s'])}/{_f(v['e2e_p99_s'])} | "
                          f"{_f(v['llm_share'], 3)} |")
-    lines += ["", "| N | DTMC B* | DTMC tok/s | measured at B* | measured-best B | measured best | B*/best | "
-              "within 5 % |", "|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| N | DTMC B* | DTMC tok/s | measured at B* | measured-best B | measured best | B*/best (sweep) | "
+              "B*/best (confirmed, 95 %) | within 5 % |", "|---|---|---|---|---|---|---|---|---|"]
     for r in report["rows"]:
-        s, b = r["measured_at_B_star"], r["measured_best"]
+        s, b, c = r["measured_at_B_star"], r["measured_best"], r.get("confirm")
+        conf = (f"{_f(r['ratio_star_to_best'], 3)} ({_f(r['ratio_low'], 3)}–{_f(r['ratio_high'], 3)}) over "
+                f"{len(c['B_star'])} pairs" if c else "– (B* is the best)")
         lines.append(f"| {r['N']} | {_fmt_B(r['B_star_dtmc'])} | {_f(r['dtmc_tok_s'])} | "
                      f"{_f(s['throughput_tok_s'])} ±{_f(s['throughput']['ci95'])} | {_fmt_B(r['B_best_measured'])} | "
-                     f"{_f(b['throughput_tok_s'])} ±{_f(b['throughput']['ci95'])} | {_f(r['ratio_star_to_best'], 3)} | "
-                     f"{'yes' if r['within_5pct'] else 'no'} |")
+                     f"{_f(b['throughput_tok_s'])} ±{_f(b['throughput']['ci95'])} | "
+                     f"{_f(r['sweep_ratio_star_to_best'], 3)} | {conf} | {'yes' if r['within_5pct'] else 'no'} |")
     return "\n".join(lines)
 
 
@@ -167,6 +219,12 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-factor", type=float, default=1.0,
                     help="delayed-batching wait bound in SLM mean step times of the eager run (default 1, "
                          "as bench_matrix)")
+    ap.add_argument("--confirm", type=int, default=3,
+                    help="when the sweep's best is not B*: measure both alternately this many times and "
+                         "judge the paired ratio (default 3; 0 = judge the sweep's points)")
+    ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                    help="fit the DTMC's step latency to the eager run's steps only (default: also to a "
+                         "calibration of each model at batch sizes up to max N, taken once after start)")
     ap.add_argument("--grid", default=",".join(map(str, GRID)), help="thresholds swept (each capped at N)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("dtmc-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
@@ -194,10 +252,13 @@ def main(argv=None) -> int:
                                             else "smollm2-135m-instruct"))
     prompts = _prompts()
     report = {"pair": a.pair, "max_tokens": a.max_tokens, "duration_s": a.duration, "windows": a.windows,
+              "calibrate": a.calibrate, "confirm": a.confirm,
               "wait_factor": a.wait_factor, "grid": list(a.grid), "rows": []}
     t0 = time.time()
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(a.out, "tritonserver.log")) as srv:
         url = srv.grpc_url
+        a.calibration_path = (calibrate_server(url, max(Ns), os.path.join(a.out, "calibration.json"))
+                              if a.calibrate else None)
         for N in Ns:
             for m in MODELS:
                 admin.configure(url, m, **RESET)

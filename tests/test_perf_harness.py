@@ -145,6 +145,29 @@ def test_interleaved_repeats_merge_and_pair():
         merge_repeats([])
 
 
+def test_dtmc_confirmation_pairs_b_star_with_the_sweeps_best():
+    import dtmc_vs_server as dvs
+
+    # a machine that slows by 10 % per measurement; B* is truly 0.96x of the best, so the
+    # alternation B*, best, B*, best ... must give 0.96 / 0.9 per pair and a paired ratio that
+    # cancels the common drift only in part (the best runs after B* each time)
+    calls = []
+
+    def run_at(B):
+        calls.append(dict(B))
+        base = 100.0 if B["llm"] == 3 else 96.0
+        return {"throughput_tok_s": base * 0.9 ** (len(calls) - 1)}
+
+    star, best = {"slm": 1, "llm": 1}, {"slm": 1, "llm": 3}
+    c = dvs.confirm_pair(run_at, star, best, 3, N=8)
+    assert [b["llm"] for b in calls] == [1, 3, 1, 3, 1, 3]
+    assert c["B_star"] == pytest.approx([96.0, 96.0 * 0.81, 96.0 * 0.9 ** 4])
+    assert c["ratio"] == pytest.approx(0.96 / 0.9) and c["low"] == pytest.approx(c["high"])
+    assert dvs.within(c["ratio"], 1.0) and not dvs.within(0.94, 1.0)
+    assert dvs.confirm_pair(run_at, star, best, 0, N=8) is None and len(calls) == 6
+    assert dvs.grid(8, 5) == [1, 2, 3, 4, 5, 6, 8] and dvs.grid(2, 1) == [1, 2]
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from tokenrouter.triton_common import resolve_model_path
@@ -238,3 +261,11 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     md = (out / "results.md").read_text()
     assert "Throughput ratio tokenrouter / baseline" in md and "no-triton" in md and "p50/p90/p99" in md
     assert list(out.glob("throughput_vs_N_demo_*.png")) and (out / "throughput_vs_length_demo.png").exists()
+    # the DTMC's latency model was fitted to the served steps and to a calibration up to N
+    calib = json.loads((out / "run-demo" / "calibration.json").read_text())
+    assert res["settings"]["calibrate"] is True
+    assert all([r["batch_size"] for r in calib["models"][m]["table"]] == [1, 2] for m in ("slm", "llm"))
+    prof = out / "run-demo" / "profile-N2.json"
+    if prof.exists():  # a profile needs a request that reached the LLM in the eager run
+        fit = json.loads(prof.read_text())["step_latency_model"]["llm"]["fit"]
+        assert fit["sources"]["calibration"] > 0 and fit["calibration_scale"] > 0
