@@ -17,8 +17,8 @@ requests back to back for the whole N (``perf/loadgen.py`` steady state):
    request sent after the change): B_llm over a log-ish grid with B_slm at the
    DTMC's value, then B_slm over the grid with B_llm at the best found (each
    grid always contains the DTMC's value, so B* itself is measured);
-3. confirmation (``--confirm R``, default 3), when the sweep's best is not B*:
-   B* and the best are measured again alternately R times (B*, best, B*, …) and
+3. confirmation (``--confirm R``, default 4), when the sweep's best is not B*:
+   B* and the best are measured again in R pairs (B*, best; best, B*; …) and
    the verdict uses the paired ratio B*/best (geometric mean of the R ratios,
    95 % Student-t interval): the sweep's best is the maximum of noisy points, so
    taken alone it overstates the gap (winner's curse);
@@ -33,10 +33,11 @@ at every sweep point.
 Run time here (2 cores, defaults: 32 tokens, 12 s per point): grid
 1,2,3,4,6,8,12,16,24,32 up to N gives 3 + 7 + 11 + 19 measured points plus 4
 eager runs; a point costs its warm-up (one request, ~2-15 s) and 12 s, so
-about 1 + 2 + 3.5 + 9 min + 2 min of server start ≈ 18 min; the confirmation
-adds 2R points per N where the sweep's best is not B* (up to 8 min at R = 3).
+about 1 + 2 + 3.5 + 9 min + 2 min of server start ≈ 18 min, plus the calibration
+(~40 s); the confirmation adds 2R points per N where the sweep's best is not B*
+(4-15 min at R = 4): 20-35 min in all.
 
-    source deploy/env.sh && python perf/dtmc_vs_server.py              # ~18-26 min here
+    source deploy/env.sh && python perf/dtmc_vs_server.py              # ~20-35 min here
     python perf/dtmc_vs_server.py --pair demo --concurrency 2 --max-tokens 16 --duration 3   # quick
 """
 
@@ -59,7 +60,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
 from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _stats_delta,  # noqa: E402
                           b_star_from_events, calibrate_server, ratio_interval,
                           wait_bound_us)
-from loadgen import SteadyLoad, load_tokenizer, window_summary  # noqa: E402
+from loadgen import SteadyLoad, load_tokenizer, run_load, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
 from tokenrouter.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
@@ -153,23 +154,25 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
 
 def confirm_pair(run_at, star: Dict[str, int], best: Dict[str, int], repeats: int, N: int
                  ) -> Optional[Dict[str, Any]]:
-    """Measure B* and the sweep's best alternately ``repeats`` times; the paired ratio B*/best.
+    """Measure B* and the sweep's best in ``repeats`` pairs; the paired ratio B*/best.
 
     The sweep's best is the maximum of noisy points, so it is biased upward (winner's curse);
-    measuring both again, back to back (B*, best, B*, best, …), removes that bias and pairs the
-    ratios so that a drifting machine weighs on both alike.  ``run_at(B)`` configures the
-    server and returns :func:`loadgen.window_summary` of one measurement period.
+    measuring both again, back to back, removes that bias and pairs the ratios.  The order
+    within a pair alternates (B*, best; best, B*; …: ABBA), so a machine that speeds up or
+    slows down steadily favours neither over an even number of pairs.  ``run_at(B)``
+    configures the server and returns :func:`loadgen.window_summary` of one measurement period.
 
     Returns:
         ``{"B_star": [tok/s …], "best": [tok/s …], "ratio", "low", "high"}`` (paired geometric-mean
-        ratio with its 95 % Student-t interval, :func:`bench_matrix.ratio_interval`), or None when
-        ``repeats`` < 1.
+        ratio with its 95 % Student-t interval, :func:`bench_matrix.ratio_interval`; low/high NaN
+        for one pair), or None when ``repeats`` < 1.
     """
     if repeats < 1:
         return None
     got: Dict[str, List[float]] = {"B_star": [], "best": []}
     for r in range(repeats):
-        for name, B in (("B_star", star), ("best", best)):
+        order = (("B_star", star), ("best", best)) if r % 2 == 0 else (("best", best), ("B_star", star))
+        for name, B in order:
             got[name].append(run_at(B)["throughput_tok_s"])
         print(f"N={N} confirm {r + 1}/{repeats}: B* {got['B_star'][-1]:.2f}, best {got['best'][-1]:.2f} tok/s",
               flush=True)
@@ -219,9 +222,10 @@ def main(argv=None) -> int:
     ap.add_argument("--wait-factor", type=float, default=1.0,
                     help="delayed-batching wait bound in SLM mean step times of the eager run (default 1, "
                          "as bench_matrix)")
-    ap.add_argument("--confirm", type=int, default=3,
-                    help="when the sweep's best is not B*: measure both alternately this many times and "
-                         "judge the paired ratio (default 3; 0 = judge the sweep's points)")
+    ap.add_argument("--confirm", type=int, default=4,
+                    help="when the sweep's best is not B*: measure both in this many pairs (order alternating, "
+                         "ABBA) and judge the paired ratio (default 4; >= 2 for an interval; 0 = judge the "
+                         "sweep's points)")
     ap.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                     help="fit the DTMC's step latency to the eager run's steps only (default: also to a "
                          "calibration of each model at batch sizes up to max N, taken once after start)")
@@ -241,8 +245,8 @@ def main(argv=None) -> int:
         ap.error("--concurrency and --grid take comma-separated integers")
     if not Ns or min(Ns) < 1 or not a.grid or min(a.grid) < 1 or a.max_tokens < 1:
         ap.error("--concurrency, --grid and --max-tokens take positive integers")
-    if a.duration <= 0 or a.windows < 1 or a.wait_factor < 0:
-        ap.error("--duration must be > 0, --windows >= 1, --wait-factor >= 0")
+    if a.duration <= 0 or a.windows < 1 or a.wait_factor < 0 or a.confirm < 0:
+        ap.error("--duration must be > 0, --windows >= 1, --wait-factor >= 0, --confirm >= 0")
     os.makedirs(a.out, exist_ok=True)
     events = {m: os.path.join(a.out, f"events-{m}.jsonl") for m in MODELS}
     repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(a.out, "model_repository"), a.pair,
@@ -257,8 +261,13 @@ def main(argv=None) -> int:
     t0 = time.time()
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(a.out, "tritonserver.log")) as srv:
         url = srv.grpc_url
-        a.calibration_path = (calibrate_server(url, max(Ns), os.path.join(a.out, "calibration.json"))
-                              if a.calibrate else None)
+        run_load(url, prompts, 2, 8)  # warm-up, as bench_matrix: the calibration should not time cold kernels
+        a.calibration_path = None
+        if a.calibrate:
+            try:
+                a.calibration_path = calibrate_server(url, max(Ns), os.path.join(a.out, "calibration.json"))
+            except RuntimeError as exc:  # e.g. a KV pool too small for max N rows: fit the served steps only
+                print(f"  calibration failed ({exc}); profiling without it", flush=True)
         for N in Ns:
             for m in MODELS:
                 admin.configure(url, m, **RESET)

@@ -56,8 +56,10 @@ def apply_calibration(profile: Mapping[str, Any], calib: Mapping[str, Any]) -> D
     """A copy of ``profile`` whose step-latency model of every calibrated model is fitted to the calibration.
 
     For ``solve --calibration`` (the profile's raw events are gone): the fit uses the
-    calibration points only; the workload's extend mix (q, x̄) is kept from the profile's model
-    for that model, else 0 (pure decode). ``step_latency_s`` is rewritten as L̄(b), b = 1 … N.
+    calibration points only, scaled by the κ the profile recorded for that model
+    (``fit.calibration_scale``, :func:`scheduler_model.latency.contention_scale`; 1 if none);
+    the workload's extend mix (q, x̄) is kept from the profile's model for that model, else 0
+    (pure decode). ``step_latency_s`` is rewritten as L̄(b), b = 1 … N.
     (``profile --calibration`` instead fits events and calibration points together.)
 
     Raises:
@@ -71,10 +73,14 @@ def apply_calibration(profile: Mapping[str, Any], calib: Mapping[str, Any]) -> D
             continue
         old = models_field.get(m)
         q = xbar = 0.0
+        kappa = 1.0
         if old is not None:
             lm_old = StepLatencyModel.from_json(old, m)
             q, xbar = lm_old.extend_row_rate, lm_old.extra_extend_tokens_per_row
-        lm = fit_step_latency(b, e, L, workload=([], []), source_counts={"calibration": len(b)})
+            kappa = float(lm_old.fit.get("calibration_scale", 1.0))
+        lm = fit_step_latency(b, e, [x * kappa for x in L], workload=([], []), source_counts={"calibration": len(b)})
+        if kappa != 1.0:
+            lm.fit["calibration_scale"] = kappa
         lm.extend_row_rate, lm.extra_extend_tokens_per_row = q, xbar
         models_field[m] = lm.to_json()
         n = prof.get("concurrency")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from typing import Any, List, Optional
 
@@ -111,8 +112,8 @@ def _fmt_B(B: dict) -> str:
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
-    if args.min_gain < 0:
-        print(f"error: --min-gain must be >= 0, got {args.min_gain}", file=sys.stderr)
+    if not (math.isfinite(args.min_gain) and args.min_gain >= 0):
+        print(f"error: --min-gain must be a finite number >= 0, got {args.min_gain}", file=sys.stderr)
         return 2
     from . import config_writer
     from .profile import load_profile

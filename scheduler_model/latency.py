@@ -309,34 +309,41 @@ def fit_step_latency(batch_size: Iterable[int], extend_tokens: Iterable[float], 
 def contention_scale(events: Tuple[Sequence[int], Sequence[float], Sequence[float]],
                      calibration: Tuple[Sequence[int], Sequence[float], Sequence[float]],
                      min_points: int = 3) -> float:
-    """κ, the factor that brings calibration steps to the step times seen while serving.
+    """κ, the factor that brings calibration steps to the level of the steps seen while serving.
 
-    A calibration (:mod:`scheduler_model.calibrate`) times each model alone, while the served
-    steps of one model run while the other models step too and share the machine (memory
-    bandwidth, cores).  Fitting both as they are would join two curves at the edge of the
-    served batch sizes.  κ is the median, over the batch sizes b where the events hold at least
-    ``min_points`` pure decode steps and the calibration holds decode steps, of
-    ``median(event decode L at b) / median(calibration decode L at b)``; calibration latencies
-    are multiplied by κ before the joint fit, so the events set the level and the calibration
-    the shape beyond the served batch sizes.
+    A calibration (:mod:`scheduler_model.calibrate`) times each model alone, on synthetic
+    sequences of one context length, while a served step runs while the other models step too
+    (sharing memory bandwidth and cores) and over the served contexts.  Fitting both as they
+    are would join two curves at the edge of the served batch sizes.  κ is the median, over
+    the served steps whose batch size lies within the calibrated range, of ``L_served /
+    L_cal(b, extend_tokens)``, where ``L_cal`` is :func:`fit_step_latency` fitted to the
+    calibration alone (so decode, resume and prefill steps all count, and batch sizes between
+    calibrated ones are interpolated).  Calibration latencies are multiplied by κ before the
+    joint fit: the served steps set the level, the calibration the shape beyond them.
 
     Args:
         events, calibration: (batch sizes, extend tokens, latencies in s), as passed to
             :func:`fit_step_latency` and returned by :func:`calibration_points`.
-        min_points: event decode steps needed at a batch size for it to count.
+        min_points: served steps needed within the calibrated range.
     Returns:
-        κ > 0 (1.0 when no batch size is shared).
+        κ > 0; 1.0 when fewer than ``min_points`` served steps fall in the calibrated range or
+        the ratios are not finite and positive.
+    Raises:
+        ProfileError: malformed calibration points (see :func:`fit_step_latency`).
     """
-    def decode_medians(pts, need):
-        by: Dict[int, List[float]] = {}
-        for b, x, L in zip(*pts):
-            if x == 0:
-                by.setdefault(int(b), []).append(float(L))
-        return {b: float(np.median(v)) for b, v in by.items() if len(v) >= need}
-
-    ev, cal = decode_medians(events, min_points), decode_medians(calibration, 1)
-    ratios = [ev[b] / cal[b] for b in sorted(set(ev) & set(cal)) if cal[b] > 0]
-    return float(np.median(ratios)) if ratios else 1.0
+    cb = np.asarray(list(calibration[0]), dtype=np.float64)
+    if cb.size == 0:
+        return 1.0
+    b = np.asarray(list(events[0]), dtype=np.float64)
+    x = np.asarray(list(events[1]), dtype=np.float64)
+    L = np.asarray(list(events[2]), dtype=np.float64)
+    inside = (b >= cb.min()) & (b <= cb.max()) & np.isfinite(L) & (L > 0)
+    if int(inside.sum()) < min_points:
+        return 1.0
+    cal = fit_step_latency(*calibration, workload=([], []), min_points=1)  # every calibrated size a knot
+    ratio = L[inside] / cal.step_s(b[inside], x[inside])
+    k = float(np.median(ratio))
+    return k if np.isfinite(k) and k > 0 else 1.0
 
 
 # ---------------------------------------------------------------------------- calibration files

@@ -17,9 +17,11 @@ Design for bursty arrivals:
   concurrency samples (falling back to ``default_concurrency``). A low quantile keeps B*
   feasible (Σ (B_i − 1) < N) through the lulls between bursts; during a burst, queues exceed
   B*_i and batches simply grow (a model starts with *all* queued requests).
-* Hysteresis: the current B is replaced only if it became infeasible or the new B*'s T exceeds
-  T(current B) — both under the new profile — by more than ``min_gain`` (relative, default 2 %),
-  so noise does not make thresholds flap.
+* Hysteresis: the current B is replaced only if it became infeasible or the best predicted T
+  exceeds T(current B) — both under the new profile — by more than ``min_gain`` (relative,
+  default 2 %), so noise does not make thresholds flap. It is replaced by B*, the B with the
+  least waiting within ``min_gain`` of that best (the search's tie rule,
+  :mod:`scheduler_model.search`, with the same ``min_gain``).
 * Rate limiting: at most one re-solve per ``min_interval_s`` of event time; solutions are
   cached by the rounded profile.
 
@@ -37,7 +39,7 @@ import numpy as np
 
 from .errors import ProfileError
 from .profile import profile_from_events
-from .search import SearchResult, find_B_star
+from .search import SearchResult, compared_rows, find_B_star
 from .system import DEFAULT_QUANTUM_S, System
 
 
@@ -249,7 +251,10 @@ class OnlineAdapter:
             if cur_T is None:
                 new, reason = res.B_star, "previous B infeasible for the current concurrency"
             else:
-                gain = res.throughput_tokens_per_s / cur_T - 1 if cur_T > 0 else np.inf
+                # the predicted gain of the best B over the current one; B* itself is the least
+                # waiting B within min_gain of that best (the search's tie rule), so it may gain less
+                best_T = max(r["throughput_tokens_per_s"] for r in compared_rows(res))
+                gain = best_T / cur_T - 1 if cur_T > 0 else np.inf
                 if gain > self.min_gain:
                     new, reason = res.B_star, f"gain {100 * gain:.1f} %"
                 else:

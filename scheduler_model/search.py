@@ -28,6 +28,7 @@ B_slm = 2 at N = 8 and B_slm = 17 at N = 32 on predicted gains of 0.02 % and 0.0
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -156,36 +157,54 @@ def search_exact(system: System, *, max_states: int = dtmc.DEFAULT_MAX_STATES,
                         seconds=time.perf_counter() - t0, max_states=max(states), notes=notes)
 
 
+def compared_rows(res: SearchResult) -> List[Dict[str, Any]]:
+    """The rows of ``res.table`` whose T can be compared: finite T; for crn-racing only the
+    final round's survivors (the rows with the most events, estimated on shared streams)."""
+    rows = [r for r in res.table if np.isfinite(r.get("throughput_tokens_per_s", np.nan))]
+    if res.method == "crn-racing" and rows:
+        most = max(int(r.get("events", 0)) for r in rows)
+        rows = [r for r in rows if int(r.get("events", 0)) == most]
+    return rows
+
+
 def prefer_less_waiting(res: SearchResult, system: System, min_gain: float) -> SearchResult:
     """Apply the ``min_gain`` tie rule (module docstring) to a search result, in place.
 
+    The candidates compared are the rows of ``res.table`` with a finite T; for crn-racing only
+    the final round's survivors (the rows with the most events), whose estimates share their
+    streams, since a candidate dropped early carries a rough estimate.
+
     Args:
-        res: a result whose ``table`` holds every evaluated B with its T.
+        res: a result whose ``table`` holds the evaluated B with their T (tokens/s).
         system: the system searched (model order for Σ (B_i − 1)).
-        min_gain: relative gain (≥ 0) a B with more delay needs over one with less.
+        min_gain: finite relative gain ≥ 0 that a B with more delay needs over one with less.
     Returns:
-        ``res``, with ``B_star``/``throughput_tokens_per_s`` (and ``states`` when the table has
-        them) moved to the chosen B and a note saying so, if it differs from the argmax.
+        ``res``; if the chosen B differs from the argmax, ``B_star`` and
+        ``throughput_tokens_per_s`` (and ``states`` when the table has them) are the chosen
+        row's, a note says so, and for crn-racing ``throughput_stderr_tokens_per_s`` becomes
+        NaN (the final round's estimate is not re-estimated on fresh streams).
     Raises:
-        ValueError: ``min_gain`` < 0.
+        ValueError: ``min_gain`` not finite or < 0.
     """
-    if min_gain < 0:
-        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
-    rows = [r for r in res.table if np.isfinite(r.get("throughput_tokens_per_s", np.nan))]
+    if not (math.isfinite(min_gain) and min_gain >= 0):
+        raise ValueError(f"min_gain must be a finite number >= 0, got {min_gain}")
+    rows = compared_rows(res)
     if not rows or min_gain == 0:
         return res
-    best = max(r["throughput_tokens_per_s"] for r in rows)
-    near = [r for r in rows if r["throughput_tokens_per_s"] * (1 + min_gain) >= best]
+    best = max(rows, key=lambda r: r["throughput_tokens_per_s"])
+    near = [r for r in rows if r["throughput_tokens_per_s"] * (1 + min_gain) >= best["throughput_tokens_per_s"]]
     pick = min(near, key=lambda r: (sum(int(r["B"][m]) - 1 for m in system.models),
                                     [int(r["B"][m]) for m in system.models]))
     if dict(pick["B"]) != dict(res.B_star):
-        res.notes.append(f"B* = {dict(pick['B'])} (T {pick['throughput_tokens_per_s']:.4g} tok/s) instead of the "
-                         f"argmax {dict(res.B_star)} (T {res.throughput_tokens_per_s:.4g}): within "
+        res.notes.append(f"B* = {dict(pick['B'])} (T {pick['throughput_tokens_per_s']:.4g} tokens/s) instead of "
+                         f"the argmax {dict(best['B'])} (T {best['throughput_tokens_per_s']:.4g} tokens/s): within "
                          f"{100 * min_gain:g} % of it with less waiting")
         res.B_star = {m: int(pick["B"][m]) for m in system.models}
         res.throughput_tokens_per_s = float(pick["throughput_tokens_per_s"])
         if "states" in pick:
             res.states = int(pick["states"])
+        if res.method == "crn-racing":
+            res.throughput_stderr_tokens_per_s = float("nan")
     return res
 
 
@@ -208,11 +227,11 @@ def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_0
     Returns:
         :class:`SearchResult`.
     Raises:
-        ValueError: unknown method or ``min_gain`` < 0; the errors of :func:`search_exact` when
+        ValueError: unknown method, or ``min_gain`` not finite or < 0; the errors of :func:`search_exact` when
             method="exact".
     """
-    if min_gain < 0:
-        raise ValueError(f"min_gain must be >= 0, got {min_gain}")
+    if not (math.isfinite(min_gain) and min_gain >= 0):
+        raise ValueError(f"min_gain must be a finite number >= 0, got {min_gain}")
     return prefer_less_waiting(_search(system, method, max_states, time_budget_s, seed, probe_max_states,
                                        race_kwargs), system, min_gain)
 

@@ -148,9 +148,9 @@ def test_interleaved_repeats_merge_and_pair():
 def test_dtmc_confirmation_pairs_b_star_with_the_sweeps_best():
     import dtmc_vs_server as dvs
 
-    # a machine that slows by 10 % per measurement; B* is truly 0.96x of the best, so the
-    # alternation B*, best, B*, best ... must give 0.96 / 0.9 per pair and a paired ratio that
-    # cancels the common drift only in part (the best runs after B* each time)
+    # a machine that slows by 10 % per measurement; B* is truly 0.96x of the best.  The order
+    # within a pair alternates (ABBA), so over an even number of pairs the drift cancels in the
+    # paired geometric mean: 0.96 exactly, whatever the drift
     calls = []
 
     def run_at(B):
@@ -159,12 +159,14 @@ def test_dtmc_confirmation_pairs_b_star_with_the_sweeps_best():
         return {"throughput_tok_s": base * 0.9 ** (len(calls) - 1)}
 
     star, best = {"slm": 1, "llm": 1}, {"slm": 1, "llm": 3}
-    c = dvs.confirm_pair(run_at, star, best, 3, N=8)
-    assert [b["llm"] for b in calls] == [1, 3, 1, 3, 1, 3]
-    assert c["B_star"] == pytest.approx([96.0, 96.0 * 0.81, 96.0 * 0.9 ** 4])
-    assert c["ratio"] == pytest.approx(0.96 / 0.9) and c["low"] == pytest.approx(c["high"])
+    c = dvs.confirm_pair(run_at, star, best, 4, N=8)
+    assert [b["llm"] for b in calls] == [1, 3, 3, 1, 1, 3, 3, 1]
+    assert c["B_star"] == pytest.approx([96.0, 96.0 * 0.9 ** 3, 96.0 * 0.9 ** 4, 96.0 * 0.9 ** 7])
+    assert c["ratio"] == pytest.approx(0.96) and c["low"] < 0.96 < c["high"]
     assert dvs.within(c["ratio"], 1.0) and not dvs.within(0.94, 1.0)
-    assert dvs.confirm_pair(run_at, star, best, 0, N=8) is None and len(calls) == 6
+    one = dvs.confirm_pair(run_at, star, best, 1, N=8)       # one pair: a ratio without an interval
+    assert one["ratio"] > 0 and math.isnan(one["low"])
+    assert dvs.confirm_pair(run_at, star, best, 0, N=8) is None and len(calls) == 10
     assert dvs.grid(8, 5) == [1, 2, 3, 4, 5, 6, 8] and dvs.grid(2, 1) == [1, 2]
 
 

@@ -227,3 +227,44 @@ def test_calibration_scaled_to_the_served_level_extends_the_range():
     plain = StepLatencyModel.from_json(profile_from_events(events, ["slm", "llm"], 32,
                                                            quantum_s=0.002)["step_latency_model"]["llm"])
     assert "calibration_scale" not in plain.fit
+
+
+def test_tie_rule_compares_racing_finalists_and_drives_the_online_switch():
+    """crn-racing: only the final round's rows compete (an early-dropped row's rough T does not);
+    online: the switch is judged on the best predicted T, and B* is the least waiting near it."""
+    import math
+
+    from scheduler_model.online import OnlineAdapter
+    from scheduler_model.search import SearchResult, prefer_less_waiting
+
+    system = System(latency=[{b: 0.02 for b in range(1, 9)}, {b: 0.1 for b in range(1, 9)}], models=("slm", "llm"),
+                    concurrency=8, P=[[0.9, 0.1], [0.6, 0.4]], C=[[1, 0], [1, 0]], quantum_s=0.002)
+
+    def result(method="crn-racing"):
+        table = [{"B": {"slm": 1, "llm": 1}, "throughput_tokens_per_s": 101.0, "events": 1000},  # dropped early
+                 {"B": {"slm": 1, "llm": 2}, "throughput_tokens_per_s": 99.0, "events": 9000},
+                 {"B": {"slm": 1, "llm": 3}, "throughput_tokens_per_s": 100.0, "events": 9000},
+                 {"B": {"slm": 2, "llm": 3}, "throughput_tokens_per_s": 97.0, "events": 9000}]
+        return SearchResult(B_star={"slm": 1, "llm": 3}, throughput_tokens_per_s=100.2, method=method, states=0,
+                            table=table, seconds=0.0, throughput_stderr_tokens_per_s=0.1)
+
+    res = prefer_less_waiting(result(), system, 0.02)
+    assert res.B_star == {"slm": 1, "llm": 2} and res.throughput_tokens_per_s == 99.0
+    assert math.isnan(res.throughput_stderr_tokens_per_s) and "less waiting" in res.notes[-1]
+    exact = prefer_less_waiting(result("exact-dtmc"), system, 0.02)        # every row exact: (1, 1) wins
+    assert exact.B_star == {"slm": 1, "llm": 1}
+    for bad in (float("nan"), float("inf"), -0.01):
+        with pytest.raises(ValueError):
+            prefer_less_waiting(result(), system, bad)
+    # online: current (1, 1) at 100; best (1, 5) at 103 (+3 % > 2 %) -> switch to the least
+    # waiting B within 2 % of 103, (1, 3) at 101.5, although that alone gains only 1.5 %
+    ad = OnlineAdapter(["slm", "llm"], 8, min_gain=0.02)
+    rows = [({"slm": 1, "llm": 1}, 100.0), ({"slm": 1, "llm": 3}, 101.5), ({"slm": 1, "llm": 5}, 103.0)]
+    table = [{"B": B, "throughput_tokens_per_s": T} for B, T in rows]
+    ad.window_profile = lambda: {"concurrency": 8}
+    ad._solve = lambda prof: prefer_less_waiting(SearchResult(B_star={"slm": 1, "llm": 5}, throughput_tokens_per_s=103.0,
+                                                              method="exact-dtmc", states=0, table=table, seconds=0.0),
+                                                 system, ad.min_gain)
+    ad.current = {"slm": 1, "llm": 1}
+    rec = ad.recommend(force=True)
+    assert rec.changed and rec.B_star == {"slm": 1, "llm": 3} and rec.reason.startswith("gain 3.0")
