@@ -228,8 +228,10 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
     load = SteadyLoad(target, prompts, N, L, model=model, tokenizer=tokenizer).start()
     try:
         m = load.measure(args.duration, args.windows, probe=probe, min_warmup_s=args.warmup_s, since=load.t_started)
-    finally:
-        recs = load.stop()
+    except BaseException:  # Ctrl-C or SIGTERM: no drain (it can take as long as a request); the server stops
+        load.stop(timeout_s=0)
+        raise
+    recs = load.stop()
     row = window_summary(recs, m["bounds"], probes=m["probes"])
     row["warmup_s"] = m["warmup_s"]
     if probe:

@@ -275,8 +275,10 @@ def main(argv=None) -> int:
             load = SteadyLoad(url, prompts, N, a.max_tokens, tokenizer=tok).start()
             try:
                 row = sweep_one_N(url, load, N, a, events, start, a.out)
-            finally:
-                load.stop()
+            except BaseException:  # interrupted: no drain; leaving the server block stops the server
+                load.stop(timeout_s=0)
+                raise
+            load.stop()
             report["rows"].append(row)
             print(f"N={N}: DTMC B* {_fmt_B(row['B_star_dtmc'])} measured "
                   f"{row['measured_at_B_star']['throughput_tok_s']:.2f} tok/s; best {_fmt_B(row['B_best_measured'])} "
