@@ -156,7 +156,8 @@ def cmd_solve(args: argparse.Namespace) -> int:
         mark = " **B***" if row["B"] == res.B_star else ""
         print(f"| {_fmt_B(row['B'])}{mark} | {row['throughput_tokens_per_s']:.2f} | {row.get(extra, '')} |")
     print()
-    se = f" ± {res.throughput_stderr_tokens_per_s:.2f}" if res.throughput_stderr_tokens_per_s else ""
+    se_v = res.throughput_stderr_tokens_per_s
+    se = f" ± {se_v:.2f}" if se_v and math.isfinite(se_v) else ""  # NaN: a racing row chosen by the tie rule
     print(f"B* = {_fmt_B(res.B_star)}   T(B*) = {res.throughput_tokens_per_s:.2f}{se} tokens/s"
           + (f"   states = {res.states}" if res.states else ""))
     for msg in out.get("config_changes", []):

@@ -77,7 +77,9 @@ class SearchResult:
             "seconds": self.seconds,
             "max_states": self.max_states,
             "notes": self.notes,
-            "throughput_stderr_tokens_per_s": self.throughput_stderr_tokens_per_s,
+            # None (JSON null) when unknown: a crn-racing row chosen by the tie rule
+            "throughput_stderr_tokens_per_s": (self.throughput_stderr_tokens_per_s
+                                               if math.isfinite(self.throughput_stderr_tokens_per_s) else None),
         }
 
 
