@@ -49,6 +49,7 @@ import math
 import os
 import sys
 import time
+from statistics import fmean
 from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -58,7 +59,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
         sys.path.insert(0, p)
 
 from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _stats_delta,  # noqa: E402
-                          b_star_from_events, calibrate_server, ratio_interval,
+                          b_star_from_events, calibrate_server, configure_mode, ratio_interval,
                           wait_bound_us)
 from loadgen import SteadyLoad, load_tokenizer, run_load, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
@@ -87,7 +88,7 @@ def _fmt_B(B: Dict[str, int]) -> str:
 
 
 def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str], start: Dict[str, int],
-                out_dir: str) -> Dict[str, Any]:
+                out_dir: str, calibration: Optional[str] = None) -> Dict[str, Any]:
     """Eager profile, DTMC solve and the coordinate sweep at one N.
 
     The models must be in eager mode (:data:`RESET`) when ``load`` starts; the load keeps running
@@ -96,7 +97,7 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
     eager = load.measure(args.duration, args.windows, probe=probe, since=load.t_started)
     lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
     eager_s = window_summary(load.snapshot(), eager["bounds"], probes=eager["probes"])
-    sol = b_star_from_events(lines, N, out_dir, getattr(args, "calibration_path", None))
+    sol = b_star_from_events(lines, N, out_dir, calibration)
     wait_us = wait_bound_us(_stats_delta(eager["probes"][0], eager["probes"][-1]), args.wait_factor)
     star = {m: int(sol["B_star"][m]) for m in MODELS}
     predicted = {_key(r["B"]): r.get("throughput_tokens_per_s") for r in sol.get("table", []) if "B" in r}
@@ -106,9 +107,7 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
     measured: Dict[Tuple[int, ...], Dict[str, Any]] = {}
 
     def run_at(B: Dict[str, int]) -> Dict[str, Any]:
-        for m in MODELS:
-            admin.configure(url, m, delayed_batch_size=int(B[m]),
-                            delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
+        configure_mode(url, "tokenrouter", B, wait_us)
         mm = load.measure(args.duration, args.windows, probe=probe)
         return window_summary(load.snapshot(), mm["bounds"], probes=mm["probes"])
 
@@ -176,13 +175,9 @@ def confirm_pair(run_at, star: Dict[str, int], best: Dict[str, int], repeats: in
             got[name].append(run_at(B)["throughput_tok_s"])
         print(f"N={N} confirm {r + 1}/{repeats}: B* {got['B_star'][-1]:.2f}, best {got['best'][-1]:.2f} tok/s",
               flush=True)
-    ratio, lo, hi = ratio_interval({"throughput_repeats": got["B_star"], "throughput_tok_s": _mean(got["B_star"])},
-                                   {"throughput_repeats": got["best"], "throughput_tok_s": _mean(got["best"])})
+    ratio, lo, hi = ratio_interval({"throughput_repeats": got["B_star"], "throughput_tok_s": fmean(got["B_star"])},
+                                   {"throughput_repeats": got["best"], "throughput_tok_s": fmean(got["best"])})
     return {**got, "ratio": ratio, "low": lo, "high": hi}
-
-
-def _mean(xs: List[float]) -> float:
-    return sum(xs) / len(xs) if xs else float("nan")
 
 
 def _f(x, nd=2) -> str:
@@ -262,10 +257,10 @@ def main(argv=None) -> int:
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(a.out, "tritonserver.log")) as srv:
         url = srv.grpc_url
         run_load(url, prompts, 2, 8)  # warm-up, as bench_matrix: the calibration should not time cold kernels
-        a.calibration_path = None
+        calibration = None
         if a.calibrate:
             try:
-                a.calibration_path = calibrate_server(url, max(Ns), os.path.join(a.out, "calibration.json"))
+                calibration = calibrate_server(url, max(Ns), os.path.join(a.out, "calibration.json"))
             except RuntimeError as exc:  # e.g. a KV pool too small for max N rows: fit the served steps only
                 print(f"  calibration failed ({exc}); profiling without it", flush=True)
         for N in Ns:
@@ -274,7 +269,7 @@ def main(argv=None) -> int:
             start = {m: _events_size(events[m]) for m in MODELS}
             load = SteadyLoad(url, prompts, N, a.max_tokens, tokenizer=tok).start()
             try:
-                row = sweep_one_N(url, load, N, a, events, start, a.out)
+                row = sweep_one_N(url, load, N, a, events, start, a.out, calibration)
             except BaseException:  # interrupted: no drain; leaving the server block stops the server
                 load.stop(timeout_s=0)
                 raise

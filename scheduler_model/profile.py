@@ -214,7 +214,7 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
             continue
         eb, ee, el = (list(c) for c in zip(*steps_obs[i]))
         cb, ce, cl = calibration_points(calibration, m) if calibration else ([], [], [])
-        kappa = contention_scale((eb, ee, el), (cb, ce, cl)) if cb else 1.0
+        kappa = contention_scale((eb, ee, el), (cb, ce, cl))
         lat_models[m] = fit_step_latency(eb + cb, ee + ce, el + [x * kappa for x in cl], workload=(eb, ee),
                                          source_counts={"events": len(eb), "calibration": len(cb)})
         if cb:
