@@ -166,33 +166,48 @@ def test_cpu_prepacked_linear_weights_give_the_same_logits(engine, monkeypatch):
     assert engine.kv_tokens_in_use() == 0
 
 
-def test_cpu_extend_attention_matches_sglang(engine):
-    """The new-rows-only extend attention gives SGLang torch_native's logits (prefill and resumes)."""
+def test_cpu_attention_matches_sglang(engine):
+    """The batched CPU attention gives SGLang torch_native's logits.
+
+    Covers a prefill (attended alone), a step of resumes with 1, 2, 1, 3 and 9 new tokens
+    (groups by count, one of them not contiguous in the step, and a lone longer one), and
+    decode steps of five rows of different lengths (one padded, masked SDPA call per layer).
+    """
     from sglang.srt.layers.attention import torch_native_backend as tnb
 
     from tokenrouter import sglang_cpu_compat as compat
 
     cls = tnb.TorchNativeAttnBackend
     assert cls._run_sdpa_forward_extend is compat._sdpa_forward_extend_new_rows, "patch not installed on the CPU"
+    assert cls._run_sdpa_forward_decode is compat._sdpa_forward_decode_batched, "patch not installed on the CPU"
     tok = engine.tokenizer
     long_prompt = tok.encode("Tell me about the history of the printing press. " * 20)  # ~200 tokens
+    assert 9 > compat.GROUP_MAX_NEW >= 3
 
     def run(tag):
-        seqs = [engine.add(f"{tag}-{i}", long_prompt[i:]) for i in range(3)]
+        seqs = [engine.add(f"{tag}-{i}", long_prompt[3 * i:]) for i in range(5)]
         out = [engine.forward(seqs).logits]  # prefill
-        for n, s in zip((1, 2, 3), seqs):  # resumes with 1, 2, 3 new tokens
+        for n, s in zip((1, 2, 1, 3, 9), seqs):  # resumes with 1, 2, 1, 3, 9 new tokens
             s.tokens.extend([13 + j for j in range(n)])
         out.append(engine.forward(seqs).logits)
+        for _ in range(3):
+            for s in seqs:
+                s.tokens.append(17)
+            step = engine.forward(seqs)
+            assert step.num_extend == 0, "expected a decode step"
+            out.append(step.logits)
         for s in seqs:
             engine.release(s)
         return out
 
     new = run("new")
-    cls._run_sdpa_forward_extend = compat._orig_sdpa_extend
+    cls._run_sdpa_forward_extend, cls._run_sdpa_forward_decode = compat._orig_sdpa_extend, compat._orig_sdpa_decode
     try:
         ref = run("ref")
     finally:
         cls._run_sdpa_forward_extend = compat._sdpa_forward_extend_new_rows
+        cls._run_sdpa_forward_decode = compat._sdpa_forward_decode_batched
     for a, b in zip(new, ref):
+        assert a.shape == b.shape == (5, engine.vocab_size)
         assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), float((a - b).abs().max())
     assert engine.kv_tokens_in_use() == 0
