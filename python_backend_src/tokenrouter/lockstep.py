@@ -18,6 +18,8 @@ import struct
 import tempfile
 import time
 
+from .stub_guard import server_pid
+
 __all__ = ["TurnRing", "default_ring_path"]
 
 
@@ -25,7 +27,7 @@ def default_ring_path(group: str) -> str:
     """Shared file for a ring: per server process (the stubs' parent) and group name."""
     safe = "".join(c if c.isalnum() else "_" for c in group)
     base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-    return os.path.join(base, f"tokenrouter-lockstep-{os.getppid()}-{safe}")
+    return os.path.join(base, f"tokenrouter-lockstep-{server_pid()}-{safe}")
 
 
 class TurnRing:

@@ -56,6 +56,7 @@ import numpy as np
 import zmq
 
 from .curve import HandshakeLog, is_tcp
+from .stub_guard import server_pid as stub_server_pid
 
 logger = logging.getLogger(__name__)
 
@@ -122,12 +123,13 @@ def default_endpoint(role: str) -> str:
 def advert_path(model: str, server_pid: Optional[int] = None, kind: str = "peer") -> str:
     """Path of the file in which ``model`` advertises its endpoint and process.
 
-    One per model and tritonserver process (``server_pid``, default the parent
-    of this Triton stub), in the temporary directory; ``kind`` is ``peer`` (an
+    One per model and tritonserver process (``server_pid``, default the
+    tritonserver of this Triton stub, :func:`tokenrouter.stub_guard.server_pid`, still
+    right after that server died), in the temporary directory; ``kind`` is ``peer`` (an
     LLM model, read by the router) or ``router`` (a router, watched by the models).
     """
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in model)[:80]
-    pid = os.getppid() if server_pid is None else int(server_pid)
+    pid = stub_server_pid() if server_pid is None else int(server_pid)
     return os.path.join(tempfile.gettempdir(), f"tokenrouter-{pid}-{safe}.{kind}.json")
 
 
@@ -179,7 +181,7 @@ def dead_routers(server_pid: Optional[int] = None) -> List[str]:
     (killed or crashed without being unloaded)."""
     import glob
 
-    pid = os.getppid() if server_pid is None else int(server_pid)
+    pid = stub_server_pid() if server_pid is None else int(server_pid)
     out = []
     for path in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{pid}-*.router.json")):
         try:

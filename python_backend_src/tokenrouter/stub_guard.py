@@ -19,7 +19,24 @@ from typing import Callable, List, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "shm_region_path"]
+__all__ = ["install", "server_pid", "shm_region_path"]
+
+_server = (None, None)  # (this process's pid, its parent's pid at the first call)
+
+
+def server_pid() -> int:
+    """pid of the process that started this one: for a Triton stub, its tritonserver.
+
+    Taken from ``os.getppid()`` at the first call in this process (and again in a forked
+    child).  A stub whose tritonserver died is re-parented, after which ``os.getppid()``
+    names another process; files named after the server (adverts, lock and turn files)
+    must still be found then, so they use this.  :func:`install` calls it at start-up.
+    """
+    global _server
+    me = os.getpid()
+    if _server[0] != me:
+        _server = (me, os.getppid())
+    return _server[1]
 
 
 def shm_region_path(cmdline: Optional[List[bytes]] = None) -> Optional[str]:
@@ -50,7 +67,7 @@ def install(cleanup: Callable[[], None], interval_s: float = 0.5) -> threading.T
     Returns:
         the (daemon) watchdog thread.
     """
-    parent = os.getppid()
+    parent = server_pid()
 
     def watch() -> None:
         ev = threading.Event()

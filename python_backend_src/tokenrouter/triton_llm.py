@@ -476,7 +476,9 @@ class TritonPythonModel:
         import glob
         import tempfile
 
-        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{os.getppid()}-*.json.lock")):
+        from . import stub_guard
+
+        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{stub_guard.server_pid()}-*.json.lock")):
             try:
                 os.unlink(lock)
             except OSError:

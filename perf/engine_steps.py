@@ -1,0 +1,82 @@
+"""Step latencies of one model's engine alone, without a server (CPU or GPU).
+
+Loads one :class:`tokenrouter.engine.SGLangEngine` in this process and times
+:meth:`SGLangEngine.calibrate`'s synthetic steps (prefill, decode, and a resume
+step in which one row has 2 new tokens) at the given batch sizes.  One warm-up
+pass runs first, so the timed pass sees warm kernels.
+
+``--sglang-decode`` swaps the batched CPU decode attention back to SGLang's own
+per-request loop (``TorchNativeAttnBackend._run_sdpa_forward_decode``), the
+comparison quoted in the README ("CPU batched attention").  Resume steps run as
+extend forwards and keep the batched extend attention either way.
+
+    source deploy/env.sh
+    python perf/engine_steps.py                                   # SLM, bf16, 1 thread, batch 1, 8, 32
+    python perf/engine_steps.py --sglang-decode                   # the same with SGLang's decode loop
+    python perf/engine_steps.py --model llama-size-realistic --load-format dummy
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python_backend_src"))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct",
+                    help="folder under $TOKENROUTER_WEIGHTS, or an absolute path (default smollm2-135m-instruct)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--load-format", default="auto", help="auto, or dummy for random weights")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as served)")
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--context", type=int, default=96, help="prompt tokens per synthetic sequence (default 96)")
+    ap.add_argument("--decode-steps", type=int, default=6)
+    ap.add_argument("--sglang-decode", action="store_true",
+                    help="use SGLang's per-request decode attention loop instead of the batched one")
+    ap.add_argument("--json", help="also write the rows to this file")
+    a = ap.parse_args(argv)
+    try:
+        bs = [int(x) for x in a.batch_sizes.split(",") if x]
+    except ValueError:
+        ap.error("--batch-sizes takes comma-separated integers")
+    if not bs or min(bs) < 1 or a.context < 1 or a.decode_steps < 1 or a.threads < 1:
+        ap.error("--batch-sizes, --context, --decode-steps and --threads take positive integers")
+
+    from tokenrouter.engine import EngineConfig, SGLangEngine
+    from tokenrouter.triton_common import resolve_model_path
+
+    need = max(bs) * (a.context + a.decode_steps + 4)
+    engine = SGLangEngine(EngineConfig(model_path=resolve_model_path(a.model), dtype=a.dtype,
+                                       load_format=a.load_format, torch_threads=a.threads,
+                                       kv_pool_tokens=max(4096, 2 * need), max_running_requests=max(bs) + 1))
+    if a.sglang_decode:
+        from sglang.srt.layers.attention import torch_native_backend as tnb
+
+        from tokenrouter import sglang_cpu_compat as compat
+        if compat._orig_sdpa_decode is None:
+            ap.error("--sglang-decode: the batched CPU attention is not installed here (a GPU host?)")
+        tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = compat._orig_sdpa_decode
+    engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
+    rows = engine.calibrate(bs, context=a.context, decode_steps=a.decode_steps)
+    attn = "SGLang's decode loop" if a.sglang_decode else "batched"
+    print(f"{a.model} ({a.dtype}, {a.threads} thread(s), context {a.context}, {attn} decode attention)")
+    print("| rows | decode median ms | resume ms | prefill ms (rows per step) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        pre = ", ".join(f"{p['latency_s'] * 1e3:.0f} ({p['rows']})" for p in r["prefill"])
+        print(f"| {r['batch_size']} | {r['decode_median_s'] * 1e3:.1f} | {r['resume_latency_s'] * 1e3:.1f} | {pre} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": a.model, "dtype": a.dtype, "threads": a.threads, "context": a.context,
+                       "decode_attention": attn, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
