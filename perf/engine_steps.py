@@ -64,7 +64,7 @@ def main(argv=None) -> int:
         tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = compat._orig_sdpa_decode
     engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
     rows = engine.calibrate(bs, context=a.context, decode_steps=a.decode_steps)
-    attn = "SGLang's decode loop" if a.sglang_decode else "batched"
+    attn = "per-request (SGLang's)" if a.sglang_decode else "batched"
     print(f"{a.model} ({a.dtype}, {a.threads} thread(s), context {a.context}, {attn} decode attention)")
     print("| rows | decode median ms | resume ms | prefill ms (rows per step) |")
     print("|---|---|---|---|")

@@ -169,9 +169,11 @@ def test_cpu_prepacked_linear_weights_give_the_same_logits(engine, monkeypatch):
 def test_cpu_attention_matches_sglang(engine):
     """The batched CPU attention gives SGLang torch_native's logits.
 
-    Covers a prefill (attended alone), a step of resumes with 1, 2, 1, 3 and 9 new tokens
-    (groups by count, one of them not contiguous in the step, and a lone longer one), and
-    decode steps of five rows of different lengths (one padded, masked SDPA call per layer).
+    One step resumes 8 requests of different lengths with 1, 2, 2, 1, 9, 1, 3, 3 new tokens:
+    groups by count, contiguous (2, 2 and 3, 3) and not (the 1s), masks with padding, a
+    lone longer extend (9), and a 1-token group split because its lengths differ too much
+    (200 against 30 and 25 tokens).  Then decode steps of the 8 rows (split by padding) and
+    of 3 rows of equal length (no mask).
     """
     from sglang.srt.layers.attention import torch_native_backend as tnb
 
@@ -182,21 +184,32 @@ def test_cpu_attention_matches_sglang(engine):
     assert cls._run_sdpa_forward_decode is compat._sdpa_forward_decode_batched, "patch not installed on the CPU"
     tok = engine.tokenizer
     long_prompt = tok.encode("Tell me about the history of the printing press. " * 20)  # ~200 tokens
-    assert 9 > compat.GROUP_MAX_NEW >= 3
+    assert len(long_prompt) >= 200 and 9 > compat.GROUP_MAX_NEW >= 3
+    lengths = (200, 190, 185, 30, 150, 25, 60, 55)
+    new_tokens = (1, 2, 2, 1, 9, 1, 3, 3)
+    assert len(compat._split_padding([(0, 200, 0), (3, 30, 1), (5, 25, 2)])) == 2
 
     def run(tag):
-        seqs = [engine.add(f"{tag}-{i}", long_prompt[3 * i:]) for i in range(5)]
+        seqs = [engine.add(f"{tag}-{i}", long_prompt[:L]) for i, L in enumerate(lengths)]
         out = [engine.forward(seqs).logits]  # prefill
-        for n, s in zip((1, 2, 1, 3, 9), seqs):  # resumes with 1, 2, 1, 3, 9 new tokens
+        for n, s in zip(new_tokens, seqs):
             s.tokens.extend([13 + j for j in range(n)])
         out.append(engine.forward(seqs).logits)
-        for _ in range(3):
+        for _ in range(2):
             for s in seqs:
                 s.tokens.append(17)
             step = engine.forward(seqs)
             assert step.num_extend == 0, "expected a decode step"
             out.append(step.logits)
         for s in seqs:
+            engine.release(s)
+        same = [engine.add(f"{tag}-same-{i}", long_prompt[i:i + 40]) for i in range(3)]
+        engine.forward(same)
+        for _ in range(2):
+            for s in same:
+                s.tokens.append(19)
+            out.append(engine.forward(same).logits)
+        for s in same:
             engine.release(s)
         return out
 
@@ -207,7 +220,8 @@ def test_cpu_attention_matches_sglang(engine):
     finally:
         cls._run_sdpa_forward_extend = compat._sdpa_forward_extend_new_rows
         cls._run_sdpa_forward_decode = compat._sdpa_forward_decode_batched
+    assert len(new) == len(ref) == 6
     for a, b in zip(new, ref):
-        assert a.shape == b.shape == (5, engine.vocab_size)
+        assert a.shape == b.shape and a.shape[1] == engine.vocab_size
         assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), float((a - b).abs().max())
     assert engine.kv_tokens_in_use() == 0

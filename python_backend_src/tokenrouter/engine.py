@@ -70,8 +70,8 @@ class EngineConfig:
             ``"dual"`` packs the linear weights for oneDNN once at load time and,
             for float32 weights, keeps the row-major ones for steps of 1-3 rows
             (batched steps then cost little more than single ones; linear weights
-            stored twice; bfloat16 keeps only the packed ones, faster at every
-            row count);
+            stored twice; bfloat16 keeps only the packed ones, faster there at
+            1-3 rows too);
             ``"packed"`` keeps only the packed ones; ``"rowmajor"`` leaves
             SGLang's ``F.linear`` as is.
         device: ``"auto"`` (CUDA when torch sees a GPU, else the CPU), ``"cuda"``

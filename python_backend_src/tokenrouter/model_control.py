@@ -27,6 +27,8 @@ import urllib.parse
 import urllib.request
 from typing import List, Optional
 
+from .stub_guard import server_pid
+
 __all__ = ["ModelControlError", "server_http_url", "load", "unload", "is_ready", "reload"]
 
 
@@ -35,7 +37,7 @@ class ModelControlError(RuntimeError):
 
 
 def _server_args(pid: Optional[int] = None) -> List[str]:
-    pid = os.getppid() if pid is None else int(pid)
+    pid = server_pid() if pid is None else int(pid)
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             return [a.decode("utf-8", "replace") for a in f.read().split(b"\0") if a]

@@ -25,8 +25,8 @@ Two CPU performance steps, used by :class:`tokenrouter.engine.SGLangEngine`:
 * :func:`patch_torch_native_extend` — the torch_native backend's attention
   computes only the new tokens' rows (a resume no longer costs a full
   ``seq_len x seq_len`` attention), and attends the step's decode rows and short
-  resumes in one padded SDPA call per layer instead of a Python loop over the
-  requests;
+  resumes in padded SDPA calls (one per count of new tokens, split by length
+  where padding would cost too much) instead of a Python loop over the requests;
 * :func:`prepack_linear_weights` — linear weights packed once for oneDNN, so a
   decode step of 4-16 requests costs little more than one of 1-3.
 """
@@ -166,8 +166,10 @@ class _PrepackedLinear:
         """
         shape = x.shape
         rows = x.numel() // shape[-1] if shape[-1] else 0
-        if x.dtype != self._packed.dtype or (self._rowmajor_kept and rows <= self.SMALL_ROWS):
+        if self._rowmajor_kept and (x.dtype != self._packed.dtype or rows <= self.SMALL_ROWS):
             return self._orig.apply(layer, x, bias)
+        if x.dtype != self._packed.dtype:  # no row-major weight to fall back on: compute in the weight's dtype
+            return self.apply(layer, x.to(self._packed.dtype), bias).to(x.dtype)
         if x.dim() != 2:
             x = x.reshape(-1, shape[-1])
         y = torch.ops.mkldnn._linear_pointwise(x, self._packed, bias, "none", [], "")
@@ -200,7 +202,7 @@ def prepack_linear_weights(model: torch.nn.Module, batch_hint: int = 8, keep_row
             lone request decodes at full speed) at the price of storing the linear
             weights twice; False drops them (same memory as before, small fp32
             steps slightly slower).  bfloat16 weights never keep them: oneDNN's
-            packed bf16 kernel is faster at every row count (measured, one thread,
+            packed bf16 kernel is faster at 1-3 rows too (measured, one thread,
             a 1-row decode step: SmolLM2-135M 66 -> 54 ms, the 0.82B Llama shape
             172 -> 155 ms).
 
@@ -340,13 +342,48 @@ class _StepPlan:
                 self.lone.append((row, L, n, t))
             t += n
         self.groups = [_Group(n, [r for r, _, _ in g], [L for _, L, _ in g], [s for _, _, s in g], req_to_token)
-                       for n, g in by_n.items()]
+                       for n, members in by_n.items() for g in _split_padding(members)]
+
+
+#: a group's padded key positions (rows x longest sequence) may exceed the sum of its
+#: sequences' lengths by this factor at most; longer mixes are split (:func:`_split_padding`)
+PAD_LIMIT = 1.5
+
+
+def _split_padding(members):
+    """Split ``members`` [(row, seq_len, token_start), …] so that no group pads beyond :data:`PAD_LIMIT`.
+
+    One group pads every request to the longest: a step mixing one 8k-token request with 31
+    short ones would gather and attend 32 x 8k keys.  When the padded total exceeds
+    ``PAD_LIMIT`` x the real one, the members are sorted by length (longest first) and cut
+    greedily into groups that each respect the bound.  Returns a list of member lists (the
+    input itself, in order, when it already does).
+    """
+    lens = [L for _, L, _ in members]
+    if len(members) * max(lens) <= PAD_LIMIT * sum(lens):
+        return [members]
+    out, cur, total = [], [], 0
+    for m in sorted(members, key=lambda m: -m[1]):
+        if cur and (len(cur) + 1) * cur[0][1] > PAD_LIMIT * (total + m[1]):
+            out.append(cur)
+            cur, total = [], 0
+        cur.append(m)
+        total += m[1]
+    out.append(cur)
+    return out
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: identity alone
+        return -1
 
 
 def _plan(backend, tensors, new_lens, req_to_token) -> _StepPlan:
     """The step's plan cached on ``backend``, built anew when ``tensors`` (the step's
     ``req_pool_indices``, ``seq_lens``, …) are other objects or were changed in place."""
-    key = tuple((t, t._version) for t in tensors)  # the plan keeps them alive: ids are not reused
+    key = tuple((t, _version(t)) for t in tensors)  # the plan keeps them alive: ids are not reused
     plan = getattr(backend, "_tr_plan", None)
     if plan is None or len(plan.key) != len(key) or any(
             a is not b or va != vb for (a, va), (b, vb) in zip(plan.key, key)):
@@ -363,14 +400,15 @@ def _init_metadata_dropping_plan(self, forward_batch):
 def _sdpa_forward_decode_batched(self, query, output, k_cache, v_cache, req_to_token, req_pool_indices, seq_lens,
                                  encoder_lens=None, scaling=None, enable_gqa=False, causal=False,
                                  is_cross_attn=False, sliding_window_size=None):
-    """Decode attention of every request of the step in one SDPA call per layer (replaces SGLang's).
+    """Decode attention of the step's requests in padded SDPA calls, not a loop (replaces SGLang's).
 
     SGLang 0.5.23's ``TorchNativeAttnBackend._run_sdpa_forward_decode`` loops over the
     requests in Python in every layer: about ten small tensor operations per request
     and layer, so a step of 8 requests on a 30-layer model issues ~2,400 of them.
     Here the step's KV slots are gathered once into a ``[B, L]`` table (L: the longest
     sequence, shorter ones masked), and each layer runs one gather of K and V and one
-    ``scaled_dot_product_attention`` over ``[B, heads, 1, L]``: the same result.
+    ``scaled_dot_product_attention`` over ``[B, heads, 1, L]``: the same result.  Requests
+    whose lengths differ too much form several such groups (:func:`_split_padding`).
 
     Args (as the method it replaces): query/output [num_seqs, heads, head_dim];
     k_cache/v_cache [pool_tokens, kv_heads, head_dim]; req_to_token [rows,
@@ -406,7 +444,8 @@ def _sdpa_forward_extend_new_rows(self, query, output, k_cache, v_cache, req_to_
     offset by its prefix (query ``i`` sees keys ``0 .. prefix + i``): the same
     result, O(extend x seq) work.  Requests with the same number of new tokens, up
     to :data:`GROUP_MAX_NEW` (decode rows and resumes, most of a routed step), run
-    as one padded SDPA call per layer (:class:`_Group`); longer ones (prefills)
+    as one padded SDPA call per layer (:class:`_Group`, split by length where padding would
+    cost more than :data:`PAD_LIMIT`); longer ones (prefills)
     one by one.
 
     Args (as the method it replaces): query/output [num_tokens, heads, head_dim];

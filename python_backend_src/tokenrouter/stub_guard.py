@@ -19,29 +19,13 @@ from typing import Callable, List, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "server_pid", "shm_region_path"]
+__all__ = ["install", "server_pid", "shm_region_path", "stub_parent_pid"]
 
-_server = (None, None)  # (this process's pid, its parent's pid at the first call)
-
-
-def server_pid() -> int:
-    """pid of the process that started this one: for a Triton stub, its tritonserver.
-
-    Taken from ``os.getppid()`` at the first call in this process (and again in a forked
-    child).  A stub whose tritonserver died is re-parented, after which ``os.getppid()``
-    names another process; files named after the server (adverts, lock and turn files)
-    must still be found then, so they use this.  :func:`install` calls it at start-up.
-    """
-    global _server
-    me = os.getpid()
-    if _server[0] != me:
-        _server = (me, os.getppid())
-    return _server[1]
+_server = (None, None)  # (this process's pid, the server's pid found for it)
 
 
-def shm_region_path(cmdline: Optional[List[bytes]] = None) -> Optional[str]:
-    """``/dev/shm`` path of this stub's shared-memory region, from its command line
-    (``triton_python_backend_stub <model.py> <region name> …``), or None when this is not a stub."""
+def _stub_argv(cmdline: Optional[List[bytes]] = None) -> Optional[List[bytes]]:
+    """This process's argv when it is a Triton Python stub (``triton_python_backend_stub …``), else None."""
     if cmdline is None:
         try:
             with open("/proc/self/cmdline", "rb") as f:
@@ -50,15 +34,52 @@ def shm_region_path(cmdline: Optional[List[bytes]] = None) -> Optional[str]:
             return None
     if len(cmdline) < 3 or not cmdline[0].endswith(b"triton_python_backend_stub"):
         return None
-    name = cmdline[2].decode(errors="replace")
+    return cmdline
+
+
+def stub_parent_pid(cmdline: Optional[List[bytes]] = None) -> Optional[int]:
+    """pid of the tritonserver that started this stub, from its command line (``argv[5]``:
+    ``triton_python_backend_stub <model.py> <shm region> <shm size> <shm growth> <server pid> …``,
+    python_backend's ``pb_stub.cc``), or None when this is not a stub or the field is missing."""
+    argv = _stub_argv(cmdline)
+    if argv is None or len(argv) < 6 or not argv[5].isdigit():
+        return None
+    return int(argv[5])
+
+
+def server_pid() -> int:
+    """pid of the process that serves this one: for a Triton stub, its tritonserver.
+
+    A stub reads it from its command line (:func:`stub_parent_pid`), which stays right at
+    any time; any other process takes ``os.getppid()`` at its first call.  A stub whose
+    tritonserver died is re-parented, after which ``os.getppid()`` names another process;
+    files named after the server (adverts, lock and turn files) must still be found then,
+    so they use this.
+    """
+    global _server
+    me = os.getpid()
+    if _server[0] != me:
+        pid = stub_parent_pid()
+        _server = (me, os.getppid() if pid is None else pid)
+    return _server[1]
+
+
+def shm_region_path(cmdline: Optional[List[bytes]] = None) -> Optional[str]:
+    """``/dev/shm`` path of this stub's shared-memory region, from its command line
+    (``triton_python_backend_stub <model.py> <region name> …``), or None when this is not a stub."""
+    argv = _stub_argv(cmdline)
+    if argv is None:
+        return None
+    name = argv[2].decode(errors="replace")
     if not name or "/" in name:
         return None
     return os.path.join("/dev/shm", name)
 
 
 def install(cleanup: Callable[[], None], interval_s: float = 0.5) -> threading.Thread:
-    """Watch the parent process; when it is gone, call ``cleanup()``, unlink the stub's
-    shared-memory region and ``os._exit(0)``.
+    """Watch the server process (:func:`server_pid`); when it is gone, call ``cleanup()``,
+    unlink the stub's shared-memory region and ``os._exit(0)``.  A server that died before
+    this call (while the model was loading) is noticed at the first check.
 
     Args:
         cleanup: best-effort cleanup of the model (exceptions are logged, not raised).

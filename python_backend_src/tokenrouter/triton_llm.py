@@ -455,6 +455,7 @@ class TritonPythonModel:
 
     def _cleanup_files(self) -> None:
         """Remove what this model created outside its process: advert, ipc socket, turn files."""
+        self._closing.set()  # the router guardian stops first: no reload against a dead server
         remove_advert(self.name)
         self._remove_reload_locks()
         ep = self.peer_server.endpoint
