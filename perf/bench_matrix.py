@@ -41,6 +41,12 @@ Measurement (per cell: mode × concurrency N × max output tokens):
   the repeats, its counters the sum.  A ratio of two modes is then *paired*: the
   geometric mean of the R per-repeat ratios with a 95 % Student-t interval of
   their logs (:func:`ratio_interval`).
+* **CPU by process**: the CPU seconds each process used over the measurement period
+  (:func:`cpu_seconds`: the models' stubs, the router stubs, tritonserver, the load
+  generator; in no-triton the model workers and the driving process), divided by the
+  period: where the cores went, since every process shares this machine's cores.
+* ``--stream-interval K``: the models send K tokens per message (the first token at once),
+  so the router, Triton and gRPC handle one response per K tokens; every mode, no-triton too.
 * **one shot** (``--one-shot``): every client sends ``--requests-per-client``
   requests; throughput is all tokens over the cell's wall time (the slowest
   request ends it), the older figure.
@@ -206,24 +212,77 @@ def _stats_delta(before: Dict[str, Dict], after: Dict[str, Dict]) -> Dict[str, D
     return {m: {k: after[m][k] - before[m][k] for k in STAT_KEYS} for m in before}
 
 
+def cpu_seconds(server_pid: Optional[int] = None, workers: Optional[Dict[str, int]] = None) -> Dict[str, float]:
+    """CPU seconds (user + system) each serving process has used so far, by role.
+
+    Roles: ``client`` (this process: the load generator, and in no-triton also the router
+    logic), ``tritonserver`` (``server_pid``), ``stub <model>`` (each Python-backend stub
+    under it, named by its model's folder), ``worker <model>`` (``workers``, name → pid: the
+    no-triton model processes).  A process that has gone has no entry.
+    """
+    import psutil
+
+    out: Dict[str, float] = {}
+
+    def add(role: str, proc) -> None:
+        try:
+            t = proc.cpu_times()
+        except psutil.Error:
+            return
+        out[role] = out.get(role, 0.0) + t.user + t.system
+
+    add("client", psutil.Process())
+    procs = [("worker " + name, pid) for name, pid in (workers or {}).items()]
+    if server_pid:
+        procs.append(("tritonserver", server_pid))
+        try:
+            for ch in psutil.Process(server_pid).children():
+                cmd = ch.cmdline()
+                # a stub's argv[1] is <repository>/<model>/<version>/model.py
+                if len(cmd) > 1 and cmd[0].endswith("triton_python_backend_stub"):
+                    procs.append(("stub " + os.path.basename(os.path.dirname(os.path.dirname(cmd[1]))), ch.pid))
+        except psutil.Error:
+            pass
+    for role, pid in procs:
+        try:
+            add(role, psutil.Process(pid))
+        except psutil.Error:
+            pass
+    return out
+
+
 def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = "token_router", tokenizer=None,
-                 probe=None) -> Dict[str, Any]:
+                 probe=None, cpu=None) -> Dict[str, Any]:
     """One cell's figures: steady state (default) or one shot (``args.one_shot``).
 
     Args:
         target: Triton gRPC URL or a generate function (no-Triton baseline).
         probe: ``() -> {model: admin.model_stats}``, read at the window boundaries (steady) or
             before/after (one shot); None: no busy shares / counters.
+        cpu: ``() -> {role: CPU seconds}`` (:func:`cpu_seconds`), read with the first and last probe.
 
     Returns:
         :func:`loadgen.window_summary` (steady) or :func:`loadgen.summarize` (one shot) keys, plus
-        ``model_stats`` (counter increases over the measurement) when ``probe`` is given.
+        ``model_stats`` (counter increases over the measurement) when ``probe`` is given, and
+        ``cpu_share`` (``{role: CPU seconds / wall seconds}`` of the measurement: 1.0 = one core
+        busy) when ``cpu`` is given.
     """
+    marks: List[tuple] = []
+    if cpu is not None:
+        inner = probe
+
+        def probe():  # noqa: F811 - the models' counters, and a CPU reading beside each
+            out = inner() if inner else {}
+            marks.append((time.perf_counter(), cpu()))
+            return out
     if args.one_shot:
         before = probe() if probe else None
         row = summarize(run_load(target, prompts, N, L, args.requests_per_client, model=model, tokenizer=tokenizer))
         if probe:
-            row["model_stats"] = _stats_delta(before, probe())
+            after = probe()
+            if before:
+                row["model_stats"] = _stats_delta(before, after)
+        _cpu_share(row, marks)
         return row
     load = SteadyLoad(target, prompts, N, L, model=model, tokenizer=tokenizer).start()
     try:
@@ -232,11 +291,21 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
         load.stop(timeout_s=0)
         raise
     recs = load.stop()
-    row = window_summary(recs, m["bounds"], probes=m["probes"])
+    have_stats = probe is not None and bool(m["probes"][0])
+    row = window_summary(recs, m["bounds"], probes=m["probes"] if have_stats else None)
     row["warmup_s"] = m["warmup_s"]
-    if probe:
+    if have_stats:
         row["model_stats"] = _stats_delta(m["probes"][0], m["probes"][-1])
+    _cpu_share(row, marks)
     return row
+
+
+def _cpu_share(row: Dict[str, Any], marks: List[tuple]) -> None:
+    """``row["cpu_share"]``: each role's CPU seconds between the first and last mark / wall seconds."""
+    if len(marks) < 2 or marks[-1][0] <= marks[0][0]:
+        return
+    (t0, a), (t1, b) = marks[0], marks[-1]
+    row["cpu_share"] = {k: round((b[k] - a[k]) / (t1 - t0), 4) for k in sorted(b) if k in a}
 
 
 def _line(pair: str, mode: str, N: int, L: int, row: Dict[str, Any]) -> str:
@@ -250,9 +319,12 @@ def _line(pair: str, mode: str, N: int, L: int, row: Dict[str, Any]) -> str:
             + (f"  errors={row['errors']}" if row["errors"] else ""))
 
 
-def _mode_order(modes: List[str]) -> List[str]:
-    """Triton modes in run order: eager-async just before tokenrouter (its events give B*)."""
+def _mode_order(modes: List[str], interleave_no_triton: bool = False) -> List[str]:
+    """Modes of one repeat in run order: eager-async just before tokenrouter (its events give B*);
+    no-triton last where it is interleaved, else not at all (it runs after the server)."""
     order = [m for m in modes if m != "no-triton"]
+    if interleave_no_triton and "no-triton" in modes:
+        order.append("no-triton")
     if "tokenrouter" in order and "eager-async" in order:
         order.remove("eager-async")
         order.insert(order.index("tokenrouter"), "eager-async")
@@ -317,14 +389,16 @@ def configure_mode(url: str, mode: str, B: Optional[Dict[str, int]] = None, wait
 
 
 def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
-    """All Triton cells of one pair in one tritonserver, then the no-Triton baseline."""
+    """All Triton cells of one pair in one tritonserver, then the no-Triton baseline
+    (with ``--repeats``: its workers beside the server, its cells interleaved)."""
     from tokenrouter.repository import read_config
     from tokenrouter.triton_common import resolve_model_path
 
     work = os.path.join(out_dir, f"run-{pair}")
     os.makedirs(work, exist_ok=True)
     events = {m: os.path.join(work, f"events-{m}.jsonl") for m in MODELS}
-    model_params: Dict[str, Dict[str, object]] = {m: {"event_log": events[m]} for m in MODELS}
+    model_params: Dict[str, Dict[str, object]] = {
+        m: {"event_log": events[m], "stream_interval": args.stream_interval} for m in MODELS}
     if args.algorithm_params:
         _, merged = router_algorithm(pair, args.algorithm_params)
         model_params["token_router"] = {"algorithm_params": json.dumps(merged)}
@@ -342,10 +416,29 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     tok = load_tokenizer(resolve_model_path(rp["tokenizer_path"].string_value if "tokenizer_path" in rp
                                             else "smollm2-135m-instruct"))
     prompts = _prompts()
+    # with --repeats the no-Triton workers run beside the server and their cells interleave with the
+    # others, so that ratio is paired too (the idle side's processes use a little CPU, 0.02-0.05
+    # cores on the size-realistic pair: the CPU table reads both sides).  Both sets of models are
+    # loaded: on a GPU host give the models kv_pool_tokens so that the two sets fit.
+    interleave = args.repeats > 1 and "no-triton" in args.modes
+    nt = NoTriton(pair, repo) if interleave else None
+    try:
+        _run_server_cells(pair, repo, work, events, tok, prompts, nt, args, results, out_dir)
+    finally:
+        if nt is not None:
+            nt.close()
+    if "no-triton" in args.modes and not interleave:
+        run_no_triton(pair, repo, args, results, out_dir, prompts, tok)
+
+
+def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], tok, prompts: List[str],
+                      nt: Optional["NoTriton"], args, results: Dict[str, Any], out_dir: str) -> None:
+    """The cells of one tritonserver on ``repo`` (and, interleaved, ``nt``'s no-Triton cells)."""
     print(f"\n== pair {pair}: starting tritonserver", flush=True)
     with TritonServer(repo, ready_timeout=900, log_path=os.path.join(work, "tritonserver.log")) as srv:
         url = srv.grpc_url
         probe = lambda: {m: admin.model_stats(url, m) for m in MODELS}  # noqa: E731
+        cpu = lambda: cpu_seconds(server_pid=srv.process.pid, workers=nt.cluster.pids if nt else None)  # noqa: E731
         run_load(url, prompts, 2, 8)  # warm-up
         calib = (calibrate_server(url, max(args.concurrency), os.path.join(work, "calibration.json"))
                  if args.calibrate and "tokenrouter" in args.modes else None)
@@ -354,7 +447,7 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                 bstar = wait_us = None
                 by_mode: Dict[str, List[Dict[str, Any]]] = {}
                 for rep in range(args.repeats):
-                    for mode in _mode_order(args.modes):
+                    for mode in _mode_order(args.modes, nt is not None):
                         if mode == "tokenrouter" and bstar is None:  # no eager-async cell: profile one first
                             configure_mode(url, "eager-async")
                             start = {m: _events_size(events[m]) for m in MODELS}
@@ -363,10 +456,19 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
                             bstar = b_star_from_events(lines, N, work, calib)
                             wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
                         B = {**bstar["B_star"], **args.batch_override} if mode == "tokenrouter" else None
-                        router = configure_mode(url, mode, B, wait_us or 0)
-                        start = {m: _events_size(events[m]) for m in MODELS}
-                        row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
-                               **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok, probe=probe)}
+                        if mode == "no-triton":  # tokenrouter's B* of this cell, as run_no_triton takes it
+                            B = {**bstar["B_star"], **args.batch_override} if bstar else {m: 1 for m in MODELS}
+                            for m in MODELS:  # the idle server's models: eager
+                                admin.configure(url, m, **RESET)
+                            row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
+                                   **nt.measure(prompts, N, L, args, B, (wait_us or 0) if bstar else 0, tok,
+                                                server_pid=srv.process.pid)}
+                        else:
+                            router = configure_mode(url, mode, B, wait_us or 0)
+                            start = {m: _events_size(events[m]) for m in MODELS}
+                            row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
+                                   **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok,
+                                                  probe=probe, cpu=cpu)}
                         if mode == "eager-async" and "tokenrouter" in args.modes and rep == 0:
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
                             bstar = b_star_from_events(lines, N, work, calib)
@@ -396,8 +498,6 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
         print(f"Triton statistics ({pair}): " + ", ".join(
             f"{m}: {v['inference_count']} requests in {v['execution_count']} executions"
             for m, v in results["triton_batching"][pair].items()), flush=True)
-    if "no-triton" in args.modes:
-        run_no_triton(pair, repo, args, results, out_dir, prompts, tok)
 
 
 def triton_batching(http_url: str) -> Dict[str, Dict[str, int]]:
@@ -418,61 +518,97 @@ def triton_batching(http_url: str) -> Dict[str, Dict[str, int]]:
 
 
 
+class NoTriton:
+    """The no-Triton baseline: its worker processes and router, on the variant repository's configs.
+
+    Args:
+        pair: the pair's name (for the log line).
+        repo: the variant repository whose model configs the workers take.
+
+    Raises:
+        RuntimeError: a worker did not come up.
+    """
+
+    def __init__(self, pair: str, repo: str):
+        import threading
+
+        from tokenrouter.direct import DirectCluster, DirectRouter
+        from tokenrouter.repository import read_config
+        from tokenrouter.triton_common import llm_settings, resolve_model_path
+
+        def params(model):
+            return {k: v.string_value for k, v in
+                    read_config(os.path.join(repo, model, "config.pbtxt")).parameters.items()}
+
+        class TracingRouter(DirectRouter):
+            """DirectRouter that also returns the routing trace (token ids, model per token), as token_router does."""
+
+            _tl = threading.local()
+
+            def segment(self, model, rid, tokens, header):
+                k = self.models.index(model)
+                for ids, ev in super().segment(model, rid, tokens, header):
+                    if ids:
+                        self._tl.ids.extend(ids)
+                        self._tl.trace.extend([k] * len(ids))
+                    yield ids, ev
+
+            def generate(self, prompt, sampling, chat=True, on_text=None):
+                self._tl.ids, self._tl.trace = [], []
+                out = super().generate(prompt, sampling, chat=chat, on_text=on_text)
+                n = out["num_output_tokens"]
+                out["routing_trace"] = {"models": self.models, "token_ids": self._tl.ids[:n],
+                                        "trace": self._tl.trace[:n]}
+                return out
+
+        print(f"== pair {pair}: no-triton baseline (worker processes, no Triton)", flush=True)
+        self.cluster = DirectCluster({m: llm_settings(params(m)) for m in MODELS})
+        try:
+            rp = params("token_router")
+            router = TracingRouter(self.cluster, MODELS,
+                                   resolve_model_path(rp.get("tokenizer_path", "smollm2-135m-instruct")),
+                                   rp.get("algorithm", "rstitch"), json.loads(rp.get("algorithm_params") or "{}"))
+            self.gen = lambda p, sp, cb: router.generate(p, sp, on_text=cb)  # noqa: E731
+            run_load(self.gen, _prompts(), 2, 8)  # warm-up
+        except BaseException:
+            self.cluster.close()
+            raise
+
+    def measure(self, prompts: List[str], N: int, L: int, args, B: Dict[str, int], wait_us: int,
+                tok=None, server_pid: Optional[int] = None) -> Dict[str, Any]:
+        """One cell at thresholds ``B`` (wait bound ``wait_us`` µs where B > 1): :func:`measure_cell`'s row.
+
+        ``server_pid``: a tritonserver running beside the workers, whose processes' CPU is read too.
+        """
+        for m in MODELS:
+            self.cluster.configure(m, delayed_batch_size=int(B[m]), max_wait_s=(wait_us if B[m] > 1 else 0) / 1e6)
+        return {**measure_cell(self.gen, prompts, N, L, args, tokenizer=tok,
+                               cpu=lambda: cpu_seconds(server_pid=server_pid, workers=self.cluster.pids)),
+                "B_star": dict(B)}
+
+    def close(self) -> None:
+        """Stop the workers."""
+        self.cluster.close()
+
+
 def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: str, prompts: List[str],
                   tok=None) -> None:
-    """The no-Triton baseline: same configs (read from the variant repository), same B* per cell."""
-    import threading
-
-    from tokenrouter.direct import DirectCluster, DirectRouter
-    from tokenrouter.repository import read_config
-    from tokenrouter.triton_common import llm_settings, resolve_model_path
-
-    def params(model):
-        return {k: v.string_value for k, v in read_config(os.path.join(repo, model, "config.pbtxt")).parameters.items()}
-
-    class TracingRouter(DirectRouter):
-        """DirectRouter that also returns the routing trace (token ids, model per token), as token_router does."""
-
-        _tl = threading.local()
-
-        def segment(self, model, rid, tokens, header):
-            k = self.models.index(model)
-            for ids, ev in super().segment(model, rid, tokens, header):
-                if ids:
-                    self._tl.ids.extend(ids)
-                    self._tl.trace.extend([k] * len(ids))
-                yield ids, ev
-
-        def generate(self, prompt, sampling, chat=True, on_text=None):
-            self._tl.ids, self._tl.trace = [], []
-            out = super().generate(prompt, sampling, chat=chat, on_text=on_text)
-            n = out["num_output_tokens"]
-            out["routing_trace"] = {"models": self.models, "token_ids": self._tl.ids[:n], "trace": self._tl.trace[:n]}
-            return out
-
-    print(f"== pair {pair}: no-triton baseline (worker processes, no Triton)", flush=True)
-    cluster = DirectCluster({m: llm_settings(params(m)) for m in MODELS})
+    """The no-Triton cells after the server has stopped: same configs, the tokenrouter cell's B* per cell."""
+    nt = NoTriton(pair, repo)
     try:
-        rp = params("token_router")
-        router = TracingRouter(cluster, MODELS, resolve_model_path(rp.get("tokenizer_path", "smollm2-135m-instruct")),
-                               rp.get("algorithm", "rstitch"), json.loads(rp.get("algorithm_params") or "{}"))
-        gen = lambda p, sp, cb: router.generate(p, sp, on_text=cb)  # noqa: E731
-        run_load(gen, prompts, 2, 8)  # warm-up
         for L in args.max_tokens:
             for N in args.concurrency:
                 tr = [r for r in results["rows"] if r["pair"] == pair and r["mode"] == "tokenrouter"
                       and r["N"] == N and r["max_tokens"] == L]
                 B = tr[0]["B_star"] if tr else {m: 1 for m in MODELS}
                 wait = tr[0].get("wait_us", 0) if tr else 0
-                for m in MODELS:
-                    cluster.configure(m, delayed_batch_size=int(B[m]), max_wait_s=(wait if B[m] > 1 else 0) / 1e6)
                 row = {"pair": pair, "mode": "no-triton", "N": N, "max_tokens": L,
-                       **measure_cell(gen, prompts, N, L, args, tokenizer=tok), "B_star": B}
+                       **nt.measure(prompts, N, L, args, B, wait or 0, tok)}
                 results["rows"].append(row)
                 print(_line(pair, "no-triton", N, L, row), flush=True)
                 _save(results, out_dir)
     finally:
-        cluster.close()
+        nt.close()
 
 
 def _fmt(x: float, unit: str = "") -> str:
@@ -489,7 +625,8 @@ def merge_repeats(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     latency percentiles (``*_p50_s`` …): the median over the repeats; ``llm_share``,
     ``handoffs_per_request``, ``warmup_s``: the mean; request/token counts and the
     models' counter increases (``model_stats``): the sum; ``busy_share``: the spread of
-    the repeats' means.  Other keys (B*, settings) come from the first repeat.
+    the repeats' means; ``cpu_share``: each role's mean.  Other keys (B*, settings) come from the
+    first repeat.
 
     Raises:
         ValueError: ``rows`` is empty.
@@ -519,6 +656,9 @@ def merge_repeats(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         out["model_stats"] = {m: {k: sum(r["model_stats"][m].get(k, 0) for r in rows) for k in first[m]} for m in first}
     if all("busy_share" in r for r in rows):
         out["busy_share"] = {m: spread([r["busy_share"][m]["mean"] for r in rows]) for m in rows[0]["busy_share"]}
+    if all("cpu_share" in r for r in rows):
+        roles = set.intersection(*(set(r["cpu_share"]) for r in rows))
+        out["cpu_share"] = {k: round(statistics.fmean(r["cpu_share"][k] for r in rows), 4) for k in sorted(roles)}
     return out
 
 
@@ -587,13 +727,17 @@ def markdown(results: Dict[str, Any]) -> str:
                      f"{_fmt(r['handoffs_per_request'])} | {busy_s} | {r.get('B_star', '')} |")
     by = {(r["pair"], r["N"], r["max_tokens"], r["mode"]): r for r in rows}
     present = [b for b in BASELINES if any(r["mode"] == b for r in rows)]
-    if any(r["mode"] == "tokenrouter" for r in rows) and present:
-        lines += ["", "Throughput ratio tokenrouter / baseline (same server process; 95 % interval from the "
-                  "windows' spread); the slm-only column is the fraction of the SLM-only ceiling reached:", "",
+    # the ratios' subject: tokenrouter, else eager-async (e.g. --modes eager-async,no-triton)
+    subject = next((m for m in ("tokenrouter", "eager-async") if any(r["mode"] == m for r in rows)), None)
+    present = [b for b in present if b != subject]
+    if subject and present:
+        lines += ["", f"Throughput ratio {subject} / baseline (same server process; 95 % interval from the "
+                  "windows' spread, or paired over the repeats with --repeats); the slm-only column is the "
+                  "fraction of the SLM-only ceiling reached:", "",
                   "| pair | N | max tokens | " + " | ".join(present) + " |",
                   "|---|---|---|" + "---|" * len(present)]
         for r in rows:
-            if r["mode"] != "tokenrouter":
+            if r["mode"] != subject:
                 continue
             k = (r["pair"], r["N"], r["max_tokens"])
             cells = []
@@ -635,6 +779,26 @@ def markdown(results: Dict[str, Any]) -> str:
             lines.append(f"| {r['pair']} | {r['mode']} | {r['N']} | {r['max_tokens']} | "
                          + " | ".join(f"{_fmt(b)} | {_fmt(x)}" for b, x in zip(busy, batch))
                          + f" | {_fmt(bound)}× |")
+    def folded(c: Dict[str, float]) -> Dict[str, float]:  # every router model's stub in one column
+        out: Dict[str, float] = {}
+        for k, v in c.items():
+            k = "router stubs" if k.startswith("stub token_router") else k
+            out[k] = out.get(k, 0.0) + v
+        return out
+
+    cpu = [(r, folded(r["cpu_share"])) for r in rows if r.get("cpu_share")]
+    if cpu:
+        order = ("stub slm", "stub llm", "router stubs", "tritonserver", "worker slm", "worker llm", "client")
+        roles = sorted({k for _, c in cpu for k in c}, key=lambda k: (order.index(k) if k in order else 99, k))
+        lines += ["", "CPU used during the measurement, by process, in cores (1.0 = one core busy; the "
+                  f"machine had {results['settings'].get('cpu_count', '?')}); client = the load generator (and, in "
+                  "no-triton, the router logic):", "",
+                  "| pair | mode | N | max tokens | " + " | ".join(roles) + " | total |",
+                  "|---|---|---|---|" + "---|" * (len(roles) + 1)]
+        for r, c in cpu:
+            lines.append(f"| {r['pair']} | {r['mode']} | {r['N']} | {r['max_tokens']} | "
+                         + " | ".join(_fmt(c[k]) if k in c else "–" for k in roles)
+                         + f" | {_fmt(sum(c.values()))} |")
     return "\n".join(lines)
 
 
@@ -741,6 +905,9 @@ def main(argv=None) -> int:
     ap.add_argument("--triton-wait-us", type=int, default=0,
                     help="mode tokenrouter-triton: max_queue_delay_microseconds of a model whose "
                          "--triton-batcher B > 1 (required then)")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the models' stream_interval: committed tokens per streamed message, the first "
+                         "token at once (default 1; every mode, no-triton too, in the variant repository)")
     ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
@@ -777,8 +944,9 @@ def main(argv=None) -> int:
         ap.error("--requests-per-client is for --one-shot; the steady-state mode takes --duration")
     if a.duration is None:
         a.duration = 120.0 if a.full else 12.0
-    if a.duration <= 0 or a.windows < 1 or a.warmup_s < 0 or a.repeats < 1:
-        ap.error("--duration must be > 0, --windows >= 1, --warmup-s >= 0, --repeats >= 1")
+    if a.duration <= 0 or a.windows < 1 or a.warmup_s < 0 or a.repeats < 1 or a.stream_interval < 1:
+        ap.error("--duration must be > 0, --windows >= 1, --warmup-s >= 0, --repeats >= 1, "
+                 "--stream-interval >= 1")
     if a.one_shot and a.repeats > 1:
         ap.error("--repeats is for the steady-state mode")
     a.modes = [m for m in a.modes.split(",") if m]
@@ -811,7 +979,8 @@ def main(argv=None) -> int:
                 "duration_s": None if a.one_shot else a.duration, "windows": None if a.one_shot else a.windows,
                 "repeats": a.repeats,
                 "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor,
-                "calibrate": a.calibrate, "full": a.full,
+                "calibrate": a.calibrate, "full": a.full, "stream_interval": a.stream_interval,
+                "cpu_count": os.cpu_count(),
                 "note": _scale_note(a)}
     results: Dict[str, Any] = {"settings": settings, "rows": []}
     print(f"settings: {settings}")

@@ -34,6 +34,8 @@ class _EchoSubserver:
             self.held.add(pr.rid)
 
         def run():
+            if pr.params.get("silent"):  # holds the request and answers nothing
+                return
             sink("tokens", [1, 2], {})
             if pr.params.get("handoff"):
                 sink("handoff", [3], {"to_index": 0, "peer_req": "{}"})
@@ -49,6 +51,7 @@ class _EchoSubserver:
             self.held.discard(rid)
 
     def stats(self):
+        time.sleep(getattr(self, "stats_delay_s", 0.0))
         with self.lock:
             return {"held": sorted(self.held)}
 
@@ -85,6 +88,42 @@ def test_ipc_round_trip():
         assert [ids for ids, _ in out] == [[1, 2], [3]] and out[-1][1]["kind"] == "finished"
         assert client.call("llm", "ping")["instance"] == server.instance
         assert client.call("llm", "stats") == {"held": []}
+    finally:
+        client.close()
+        server.close()
+
+
+def test_interrupt_wakes_a_waiting_segment_at_once():
+    """With a long tick, a request waiting on a silent model sees a tick only when woken."""
+    server = PeerServer(_EchoSubserver())
+    client = PeerClient(lambda m: server.endpoint, tick_s=60.0)
+    events, first = [], threading.Event()
+
+    def waiting():
+        for ids, ev in client.segment("llm", "r1", [5], _header("r1", silent=True)):
+            events.append((time.monotonic(), ev["kind"]))
+            first.set()
+            return
+
+    t = threading.Thread(target=waiting, daemon=True)
+    try:
+        t.start()
+        _wait(lambda: server.subserver.held == {"r1"})
+        assert not first.wait(0.5), "a tick came before the interrupt"
+        t0 = time.monotonic()
+        client.interrupt()
+        assert first.wait(5), "interrupt() did not wake the segment"
+        assert events[0][1] == "tick" and events[0][0] - t0 < 2.0
+        t.join(5)
+        # a call() waiting for its answer ignores the wake-up meant for the segments
+        server.subserver.stats_delay_s = 1.0
+        answer = {}
+        c = threading.Thread(target=lambda: answer.update(client.call("llm", "stats")), daemon=True)
+        c.start()
+        time.sleep(0.3)
+        client.interrupt()
+        c.join(10)
+        assert answer == {"held": ["r1"]}
     finally:
         client.close()
         server.close()
@@ -192,3 +231,19 @@ def test_curve_settings_are_required_on_tcp(keys):
                                 {"llm": ["tcp://h:1"]})
     with pytest.raises(ValueError, match="on or off"):
         CurveClient.from_params({"curve": "maybe"}, {"llm": ["tcp://h:1"]})
+
+
+def test_drive_visits_no_model_for_a_request_already_cancelled():
+    """A request cancelled before its worker starts (it waited in the pool) sends nothing to a model."""
+    from tokenrouter.router_core import drive
+
+    class NoModels:
+        def segment(self, *a):
+            raise AssertionError("a model was visited")
+
+        def release(self, *a):
+            raise AssertionError("nothing to release")
+
+    r = drive(NoModels(), PeerReq(rid="r1", models=["slm", "llm"]), [1, 2, 3], 0, detok=None,
+              cancelled=lambda: True)
+    assert r.finish == "cancelled" and r.tokens == [1, 2, 3] and r.handoffs == 0

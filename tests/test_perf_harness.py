@@ -231,11 +231,13 @@ def test_steady_load_against_the_server(triton_server, tokenizer):
 
 
 def test_bench_matrix_tiny(repo_root, tmp_path):
+    """Every mode end to end, 2 interleaved repeats (no-triton's workers beside the server)."""
     out = tmp_path / "matrix"
     modes = ["tokenrouter", "eager-async", "std-serving", "lock-step", "llm-only", "no-triton"]
     p = subprocess.run([sys.executable, str(repo_root / "perf" / "bench_matrix.py"), "--pairs", "demo",
                         "--concurrency", "2", "--max-tokens", "4", "--modes", ",".join(modes), "--out", str(out),
-                        "--duration", "1.5", "--algorithm-params", '{"tau": 0.25}'],
+                        "--duration", "1.5", "--algorithm-params", '{"tau": 0.25}', "--stream-interval", "2",
+                        "--repeats", "2"],
                        cwd=repo_root, capture_output=True, text=True, timeout=1500, env=os.environ.copy())
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     res = json.loads((out / "results.json").read_text())
@@ -245,7 +247,8 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     for mode, r in rows.items():
         assert r["errors"] == 0, (mode, r)
         assert r["throughput_tok_s"] > 0 and r["N"] == 2 and r["max_tokens"] == 4, (mode, r)
-        assert len(r["throughput_tok_s_windows"]) == 3 and r["throughput"]["n"] == 3, (mode, r)
+        assert len(r["throughput_tok_s_windows"]) == 6 and r["throughput"]["n"] == 6, (mode, r)  # 2 × 3
+        assert r["repeats"] == 2 and len(r["throughput_repeats"]) == 2, (mode, r)
         if r["requests_started"]:  # latencies of the requests that started in the period (maybe none here)
             assert r["e2e_p99_s"] >= r["e2e_p50_s"] > 0, (mode, r)
     # every mode ran its own configuration: llm-only routes nothing to the SLM, tokenrouter got a B*
@@ -260,8 +263,24 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     base = json.loads(read_config(str(repo_root / "model_repository" / "token_router" / "config.pbtxt"))
                       .parameters["algorithm_params"].string_value)
     assert params == {**base, "tau": 0.25} and res["settings"]["algorithm_params"] == {"tau": 0.25}
+    for m in ("slm", "llm"):  # --stream-interval reaches every model's config (no-triton reads it too)
+        cfg = read_config(str(out / "run-demo" / "model_repository" / m / "config.pbtxt"))
+        assert cfg.parameters["stream_interval"].string_value == "2"
+    # CPU by process over the measurement: Triton's processes by role, no-triton's workers
+    cpu = rows["tokenrouter"]["cpu_share"]
+    assert {"client", "tritonserver", "stub slm", "stub llm", "stub token_router"} <= set(cpu), cpu
+    assert cpu["stub slm"] > 0 and cpu["stub token_router"] > 0 and all(v >= 0 for v in cpu.values()), cpu
+    assert rows["llm-only"]["cpu_share"]["stub token_router_llm_only"] > 0
+    assert rows["llm-only"]["cpu_share"]["stub llm"] > rows["llm-only"]["cpu_share"]["stub slm"]
+    # no-triton took its turn in each repeat, its workers beside the server; each side idles while
+    # the other is measured, and the CPU table reads both sides' processes
+    order = [r["mode"] for r in res["repeat_rows"]]
+    assert order[:len(modes)] == order[len(modes):] and order[len(modes) - 1] == "no-triton", order
+    triton, direct = rows["tokenrouter"]["cpu_share"], rows["no-triton"]["cpu_share"]
+    assert triton["stub slm"] > triton["worker slm"] and direct["worker slm"] > direct["stub slm"], (triton, direct)
     md = (out / "results.md").read_text()
     assert "Throughput ratio tokenrouter / baseline" in md and "no-triton" in md and "p50/p90/p99" in md
+    assert "CPU used during the measurement, by process" in md
     assert list(out.glob("throughput_vs_N_demo_*.png")) and (out / "throughput_vs_length_demo.png").exists()
     # the DTMC's latency model was fitted to the served steps and to a calibration up to N
     calib = json.loads((out / "run-demo" / "calibration.json").read_text())
@@ -271,3 +290,4 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     if prof.exists():  # a profile needs a request that reached the LLM in the eager run
         fit = json.loads(prof.read_text())["step_latency_model"]["llm"]["fit"]
         assert fit["sources"]["calibration"] > 0 and fit["calibration_scale"] > 0
+

@@ -125,6 +125,28 @@ def test_eight_concurrent_streams_match_non_streamed(triton_server):
         assert st["finish_reason"] in ("stop", "length")
 
 
+def test_stream_interval_sends_the_first_token_at_once(triton_server):
+    """Models' stream_interval K: the first chunk holds the first token alone, then K tokens a chunk."""
+    from tokenrouter import admin
+
+    sp = {"max_tokens": 17, "temperature": 0, "ignore_eos": True, "routing_threshold": 1.0}  # never hands off
+    one = grpc_stream(triton_server, PROMPTS[2], sp)
+    try:
+        for m in ("slm", "llm"):
+            admin.configure(triton_server.grpc_url, m, stream_interval=4)
+        four = grpc_stream(triton_server, PROMPTS[2], sp)
+    finally:
+        for m in ("slm", "llm"):
+            admin.configure(triton_server.grpc_url, m, stream_interval=1)
+    assert one["error"] is None and four["error"] is None, (one, four)
+    assert one["routing_summary"]["handoffs"] == four["routing_summary"]["handoffs"] == 0
+    assert four["text"] == one["text"] and four["num_output_tokens"] == one["num_output_tokens"] == 17
+    one_c, four_c = ([c for c in x["chunks"] if c] for x in (one, four))  # the final response's text is ""
+    assert four_c[0] == one_c[0], "the first token is not held back"
+    # 1 + 16 tokens in fours: at most 5 chunks (the detokenizer may merge, never split, a chunk)
+    assert len(one_c) > 10 and 2 <= len(four_c) <= 5, (one_c, four_c)
+
+
 def test_http_infer_and_generate_stream(triton_server):
     # plain HTTP infer (non-streaming, decoupled model answering once)
     out = generate(triton_server, "The capital of France is", {"max_tokens": 8, "temperature": 0},

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import sys
+import threading
+import time
 from typing import Any, Dict, Optional
 
 import numpy as np
@@ -54,29 +55,34 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
         sampling: sampling parameters dict (max_tokens, temperature, …).
         chat: apply the model's chat template.
         trace: ask for the per-token model trace.
-        on_text: callback receiving each text delta as it arrives.
+        on_text: callback receiving each text delta as it arrives (called on the gRPC
+            stream's thread, in order).
+        timeout_s: seconds to wait for the next response (the request is cancelled
+            on the server when none comes).
 
     Returns:
         dict with ``text``, ``finish_reason``, ``num_input_tokens``,
         ``num_output_tokens``, ``routing_summary`` (dict) and ``routing_trace``.
 
     Raises:
-        RuntimeError: the server answered with an error.
+        RuntimeError: the server answered with an error, or sent nothing for ``timeout_s``.
     """
     import tritonclient.grpc as grpcclient
 
-    q: "queue.Queue" = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
-    client.start_stream(callback=lambda result, error: q.put((result, error)))
-    try:
-        client.async_stream_infer(model, _inputs(grpcclient, prompt, sampling, True, chat, trace),
-                                  enable_empty_final_response=True)
-        text, out = [], {}
-        while True:
-            result, error = q.get(timeout=timeout_s)
+    text: list = []
+    out: Dict[str, Any] = {}
+    failure: list = []
+    done = threading.Event()
+    last = [time.monotonic()]  # arrival of the latest response
+
+    def on_response(result, error) -> None:
+        # each response is read on the stream's own thread: no hand-over to the caller per chunk
+        last[0] = time.monotonic()
+        if done.is_set():
+            return
+        try:
             if error is not None:
                 raise RuntimeError(str(error))
-            resp = result.get_response()
             delta = result.as_numpy("text_output")
             if delta is not None and delta.size:
                 s = delta.reshape(-1)[0].decode("utf-8")
@@ -91,8 +97,26 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
                 v = result.as_numpy(name)
                 if v is not None and v.size:
                     out[name] = int(v.reshape(-1)[0])
-            if resp.parameters.get("triton_final_response") and resp.parameters["triton_final_response"].bool_param:
-                break
+            final = result.get_response().parameters.get("triton_final_response")
+            if final is not None and final.bool_param:
+                done.set()
+        except Exception as e:  # noqa: BLE001 - re-raised in the caller
+            failure.append(e)
+            done.set()
+
+    client = grpcclient.InferenceServerClient(url)
+    client.start_stream(callback=on_response)
+    finished = False
+    try:
+        client.async_stream_infer(model, _inputs(grpcclient, prompt, sampling, True, chat, trace),
+                                  enable_empty_final_response=True)
+        last[0] = time.monotonic()
+        while not done.wait(min(1.0, max(0.0, last[0] + timeout_s - time.monotonic()))):
+            if time.monotonic() - last[0] >= timeout_s:
+                raise RuntimeError(f"{model} sent nothing for {timeout_s:g} s")
+        if failure:
+            raise failure[0]
+        finished = True
         out["text"] = "".join(text)
         if "routing_summary" in out:
             out["routing_summary"] = json.loads(out["routing_summary"])
@@ -100,7 +124,7 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
             out["routing_trace"] = json.loads(out["routing_trace"])
         return out
     finally:
-        client.stop_stream()
+        client.stop_stream(cancel_requests=not finished)  # a request given up on is cancelled, not awaited
         client.close()
 
 

@@ -67,7 +67,12 @@ class DirectCluster:
                 self.close()
                 raise RuntimeError("a direct worker did not start") from None
             self.endpoints[name] = endpoint
-        self.peers = PeerClient(self.endpoints.__getitem__)
+        self.peers = PeerClient(self.endpoints.__getitem__, tick_s=1.0)  # no cancellation to poll for
+
+    @property
+    def pids(self) -> Dict[str, int]:
+        """Process id of each model's worker (model name → pid)."""
+        return {p.name[len("direct-"):]: p.pid for p in self._procs}
 
     def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
         """One visit of ``rid`` to ``model`` (see :meth:`tokenrouter.peer_channel.PeerClient.segment`)."""

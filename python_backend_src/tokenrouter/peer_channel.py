@@ -608,7 +608,8 @@ class PeerClient:
         stall_timeout_s: a segment whose model sends nothing for this long fails
             with :class:`PeerChannelError` (seconds; 0 = wait forever).
         tick_s: while waiting, :meth:`segment` yields a ``{"kind": "tick"}``
-            event every ``tick_s`` seconds so the caller can check cancellation.
+            event every ``tick_s`` seconds so the caller can check cancellation
+            (and at once on :meth:`interrupt`).
         on_down: optional callable(model, reason) called once each time a model
             is marked down (from the I/O thread or the caller of ``mark_down``).
         liveness_interval_s: seconds between two process checks of local models.
@@ -1012,10 +1013,25 @@ class PeerClient:
         with self._segs_lock:
             self._segs.pop(seg, None)
 
+    def interrupt(self) -> None:
+        """Wake every segment waiting for a response: each yields one tick now.
+
+        For a caller whose ``tick_s`` is long: when one of its requests is cancelled it
+        calls this instead of having every waiting request poll.  A :meth:`call` waiting
+        for its answer ignores the wake-up.
+        """
+        with self._segs_lock:
+            queues = [q for _, q in self._segs.values()]
+        for q in queues:
+            q.put(None)
+
     def _next(self, model: str, q: "queue.Queue", deadline: float):
-        """Next response of a segment, or None after ``tick_s`` without one."""
+        """Next response of a segment, or None after ``tick_s`` without one (or on :meth:`interrupt`)."""
         try:
-            return q.get(timeout=self.tick_s)
+            item = q.get(timeout=self.tick_s)
+            if item is not None:
+                return item
+            raise queue.Empty
         except queue.Empty:
             if self.stall_timeout_s and time.monotonic() > deadline:
                 raise PeerChannelError(f"model {model} sent nothing for {self.stall_timeout_s:.0f} s") from None
@@ -1084,10 +1100,14 @@ class PeerClient:
         seg, q = self._open(link)
         try:
             self._send(link, {"op": op, "seg": seg, "settings": settings or {}})
-            try:
-                toks, ev = q.get(timeout=timeout_s)
-            except queue.Empty:
-                raise PeerChannelError(f"model {model} did not answer {op!r} in {timeout_s:.0f} s") from None
+            deadline = time.monotonic() + timeout_s
+            item = None
+            while item is None:  # None: an interrupt() meant for the waiting segments
+                try:
+                    item = q.get(timeout=max(0.0, deadline - time.monotonic()))
+                except queue.Empty:
+                    raise PeerChannelError(f"model {model} did not answer {op!r} in {timeout_s:.0f} s") from None
+            toks, ev = item
             if ev.get("kind") == "peer_down":
                 raise PeerDownError(model, ev.get("message") or f"model {model} is down")
             if ev.get("kind") == "error":

@@ -109,6 +109,8 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
     seen = [0] * len(models)
     touched, released = set(), set()
     current, finish = first_model, None
+    if cancelled():  # e.g. cancelled while it waited for a worker: no model is visited
+        finish = FinishReason.CANCELLED.value
     handoff_at = None
     rid = header.rid
     r.degraded = sorted(set(header.down_models))

@@ -51,7 +51,8 @@ class SubserverConfig:
     Attributes:
         delayed_batch_size: B_i, ready requests needed to start a step (>= 1).
         max_wait_s: bound on the delayed-batching wait (seconds).
-        stream_interval: committed tokens per streamed chunk (>= 1).
+        stream_interval: committed tokens per streamed chunk (>= 1); a request's first
+            output token goes out at once (TTFT), as with SGLang's ``stream_interval``.
         max_batch: most requests in one forward step.
         readmit_on_resume: std-serving baseline — a returning request is
             re-admitted as new: its KV is freed and its whole context
@@ -588,7 +589,7 @@ class Subserver:
                                                   "peer_req": pr.header_json(),
                                                   "committed": bool(commit)})
                 send_s += time.perf_counter() - ts
-            elif len(lr.unflushed) >= self.config.stream_interval:
+            elif len(lr.unflushed) >= self.config.stream_interval or hdr.num_generated == 1:
                 toks_out, lr.unflushed = lr.unflushed, []
                 ts = time.perf_counter()
                 try:

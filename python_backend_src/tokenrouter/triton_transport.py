@@ -183,7 +183,8 @@ class TritonTransport:
         stall_timeout_s: a segment whose model sends nothing this long fails with
             :class:`PeerChannelError` (seconds; 0 = wait forever).
         tick_s: while waiting, :meth:`segment` yields ``([], {"kind": "tick"})`` every
-            ``tick_s`` seconds so that the caller can check cancellation.
+            ``tick_s`` seconds so that the caller can check cancellation (and at once
+            on :meth:`interrupt`).
         on_down: optional callable(model, reason), called once each time a model is marked down.
         liveness_interval_s: seconds between two checks of the models' processes.
         pb_utils: the ``triton_python_backend_utils`` module (injected so this module
@@ -332,6 +333,13 @@ class TritonTransport:
         with self._lock:
             return self._releasing.get((model, rid))
 
+    def interrupt(self) -> None:
+        """Wake every segment waiting for a response: each yields one tick now (see ``tick_s``)."""
+        with self._lock:
+            queues = [q for _, q in self._segs.values()]
+        for q in queues:
+            q.put(None)
+
     def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
         """One visit of ``rid`` to ``model`` as a decoupled BLS ``run`` request.
 
@@ -351,7 +359,10 @@ class TritonTransport:
             deadline = time.monotonic() + self.stall_timeout_s
             while True:
                 try:
-                    toks, ev = q.get(timeout=self.tick_s)
+                    item = q.get(timeout=self.tick_s)
+                    if item is None:  # interrupt()
+                        raise queue.Empty
+                    toks, ev = item
                 except queue.Empty:
                     if self.stall_timeout_s and time.monotonic() > deadline:
                         raise PeerChannelError(
