@@ -222,6 +222,8 @@ def cpu_seconds(server_pid: Optional[int] = None, workers: Optional[Dict[str, in
     """
     import psutil
 
+    from tokenrouter.stub_guard import stub_model
+
     out: Dict[str, float] = {}
 
     def add(role: str, proc) -> None:
@@ -237,10 +239,9 @@ def cpu_seconds(server_pid: Optional[int] = None, workers: Optional[Dict[str, in
         procs.append(("tritonserver", server_pid))
         try:
             for ch in psutil.Process(server_pid).children():
-                cmd = ch.cmdline()
-                # a stub's argv[1] is <repository>/<model>/<version>/model.py
-                if len(cmd) > 1 and cmd[0].endswith("triton_python_backend_stub"):
-                    procs.append(("stub " + os.path.basename(os.path.dirname(os.path.dirname(cmd[1]))), ch.pid))
+                model = stub_model([a.encode() for a in ch.cmdline()])
+                if model is not None:
+                    procs.append(("stub " + model, ch.pid))
         except psutil.Error:
             pass
     for role, pid in procs:

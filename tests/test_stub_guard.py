@@ -63,11 +63,13 @@ def test_advert_removed_after_the_server_died(tmp_path):
 
 def test_stub_parent_pid_from_the_command_line():
     """A Triton stub takes its server's pid from argv[5], whatever its parent is now."""
-    from tokenrouter.stub_guard import shm_region_path, stub_parent_pid
+    from tokenrouter.stub_guard import shm_region_path, stub_model, stub_parent_pid
 
     argv = [b"/x/triton_python_backend_stub", b"/m/model.py", b"region_1", b"1048576", b"1048576", b"4242",
             b"/x", b"336", b"llm_0_0", b"/x/tokenrouter"]
     assert stub_parent_pid(argv) == 4242
     assert shm_region_path(argv) == "/dev/shm/region_1"
+    assert stub_model([argv[0], b"/repo/token_router/1/model.py", *argv[2:]]) == "token_router"
+    assert stub_model([b"/usr/bin/python3", b"-c", b"x"]) is None
     assert stub_parent_pid([b"/usr/bin/python3", b"-c", b"x", b"1", b"2", b"4242"]) is None
     assert stub_parent_pid(argv[:5]) is None

@@ -19,7 +19,7 @@ from typing import Callable, List, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "server_pid", "shm_region_path", "stub_parent_pid"]
+__all__ = ["install", "server_pid", "shm_region_path", "stub_model", "stub_parent_pid"]
 
 _server = (None, None)  # (this process's pid, the server's pid found for it)
 
@@ -35,6 +35,15 @@ def _stub_argv(cmdline: Optional[List[bytes]] = None) -> Optional[List[bytes]]:
     if len(cmdline) < 3 or not cmdline[0].endswith(b"triton_python_backend_stub"):
         return None
     return cmdline
+
+
+def stub_model(cmdline: Optional[List[bytes]] = None) -> Optional[str]:
+    """Name of the model a Triton Python stub serves, from its command line (``argv[1]`` is
+    ``<repository>/<model>/<version>/model.py``); None when ``cmdline`` is not a stub's."""
+    argv = _stub_argv(cmdline)
+    if argv is None:
+        return None
+    return os.path.basename(os.path.dirname(os.path.dirname(argv[1].decode(errors="replace"))))
 
 
 def stub_parent_pid(cmdline: Optional[List[bytes]] = None) -> Optional[int]:
