@@ -9,6 +9,7 @@ parent's pid and left the file behind.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -73,3 +74,106 @@ def test_stub_parent_pid_from_the_command_line():
     assert stub_model([b"/usr/bin/python3", b"-c", b"x"]) is None
     assert stub_parent_pid([b"/usr/bin/python3", b"-c", b"x", b"1", b"2", b"4242"]) is None
     assert stub_parent_pid(argv[:5]) is None
+
+
+def _state(pid: int) -> str:
+    """The process state letter from /proc/PID/stat ("" when the pid is gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+def _start_fake_stub(tmp_path, body: str, grace_s: float):
+    """A "server" process that starts a "stub" with Triton's stub command line
+    (``triton_python_backend_stub <model.py> <shm region> <size> <growth> <server pid>``),
+    the stub running ``body`` after ``stub_guard.start_reaper(grace_s)``.
+    Returns (server Popen, stub pid, reaper pid, shm region path)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    stub_exe = bin_dir / "triton_python_backend_stub"
+    stub_exe.symlink_to(os.path.realpath(sys.executable))
+    region = f"tokenrouter-test-region-{os.getpid()}-{time.monotonic_ns()}"
+    with open(os.path.join("/dev/shm", region), "w"):
+        pass
+    ready = tmp_path / "ready.txt"
+    model = tmp_path / "model.py"
+    model.write_text(textwrap.dedent(f"""
+        import ctypes, os, sys
+        sys.path.insert(0, {SRC!r})
+        from tokenrouter import stub_guard
+        reaper = stub_guard.start_reaper(grace_s={grace_s!r})
+        with open({str(ready)!r} + ".tmp", "w") as f:
+            f.write(f"{{os.getpid()}} {{reaper.pid}}")
+        os.replace({str(ready)!r} + ".tmp", {str(ready)!r})
+    """) + textwrap.dedent(body))
+    server_script = textwrap.dedent(f"""
+        import os, subprocess, time
+        stub = subprocess.Popen([{str(stub_exe)!r}, {str(model)!r}, {region!r}, "1048576", "1048576",
+                                 str(os.getpid())])
+        stub.wait()  # reaps its stub, as tritonserver does
+        time.sleep(600)
+    """)
+    server = subprocess.Popen([sys.executable, "-c", server_script], env={**os.environ, "TMPDIR": str(tmp_path)})
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), "the fake stub did not start"
+    stub_pid, reaper_pid = map(int, ready.read_text().split())
+    return server, stub_pid, reaper_pid, os.path.join("/dev/shm", region)
+
+
+def test_reaper_kills_a_stub_hung_with_the_gil_after_its_server_died(tmp_path):
+    """The stub's main thread blocks in C with the GIL held (as the Python backend's stub does
+    when its server dies while it loads), so no Python thread of it runs again: only the
+    reaper, another process, can end it.  It leaves the stub alone while the server lives."""
+    server, stub, reaper, region = _start_fake_stub(tmp_path, """
+        stub_guard.install(lambda: None)  # the in-process guard: it never gets the GIL
+        ctypes.PyDLL(None).pause()  # blocks with the GIL held
+    """, grace_s=0.5)
+    mine = tmp_path / f"tokenrouter-{server.pid}-llm.peer.json"
+    other = tmp_path / "tokenrouter-1-llm.peer.json"  # another server's advert: kept
+    mine.write_text("{}")
+    other.write_text("{}")
+    try:
+        time.sleep(2.5)
+        assert _state(stub) not in ("", "Z"), "the reaper killed a stub whose server is alive"
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 10
+        while _state(stub) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _state(stub) in ("", "Z"), "the hung stub outlived its server"
+        assert not os.path.exists(region), "the stub's /dev/shm region was left behind"
+        assert not mine.exists(), "the dead server's advert was left behind"
+        assert other.exists(), "another server's advert was removed"
+    finally:
+        for pid in (stub, reaper):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.kill()
+        if os.path.exists(region):
+            os.unlink(region)
+
+
+def test_reaper_ends_with_its_stub(tmp_path):
+    """A stub that exits (unloaded, or killed) takes its reaper with it within a second or two;
+    the reaper removes the ipc socket files a killed stub left."""
+    server, stub, reaper, region = _start_fake_stub(tmp_path, """
+        open(os.path.join(os.environ["TMPDIR"], f"tokenrouter-{os.getpid()}-llm-0123abcd"), "w").close()
+        os._exit(0)
+    """, grace_s=0.5)
+    try:
+        deadline = time.monotonic() + 5
+        while _state(reaper) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _state(reaper) in ("", "Z"), "the reaper outlived its stub"
+        assert not (tmp_path / f"tokenrouter-{stub}-llm-0123abcd").exists(), "the stub's ipc socket was left"
+        assert os.path.exists(region), "the reaper removed the region of a stub whose server is alive"
+    finally:
+        server.kill()
+        server.wait()
+        os.unlink(region)

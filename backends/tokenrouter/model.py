@@ -34,8 +34,9 @@ def _setup():
     root = os.environ.get("TOKENROUTER_ROOT") or os.path.dirname(src)
     if os.path.isdir(os.path.join(root, "scheduler_model")) and root not in sys.path:
         sys.path.append(root)
-    from tokenrouter import sglang_cpu_compat
+    from tokenrouter import sglang_cpu_compat, stub_guard
 
+    stub_guard.start_reaper()  # first: a server that dies from here on leaves no stub hanging
     sglang_cpu_compat.install()  # before transformers/sglang are imported; no-op with a GPU
 
 

@@ -8,20 +8,31 @@ while a request was still in flight), the stub used to live on as an orphan
 ``interval_s`` seconds, runs the model's cleanup callbacks (sockets, adverts,
 turn files), removes the stub's own ``/dev/shm`` region (named in its command
 line) and ends the process.
+
+That thread needs the GIL.  When tritonserver dies while the stub is loading, the stub's
+main thread can be left blocked in the Python backend's C++ code with the GIL held,
+waiting on a shared-memory mutex or semaphore the dead server will never release, and
+the stub's own parent check (``pb_stub.cc``: ``Stub::DestroyInstance(); exit(1)``) then
+waits for the GIL too.  No Python thread runs again in such a stub, so
+:func:`start_reaper` also starts a small ``/bin/sh`` process outside it, which kills a
+stub still alive ``grace_s`` seconds after its server died.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import tempfile
 import threading
 from typing import Callable, List, Optional
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["install", "server_pid", "shm_region_path", "stub_model", "stub_parent_pid"]
+__all__ = ["install", "server_pid", "shm_region_path", "start_reaper", "stub_model", "stub_parent_pid"]
 
 _server = (None, None)  # (this process's pid, the server's pid found for it)
+_reaper: "Optional[subprocess.Popen]" = None  # this stub's reaper (start_reaper)
 
 
 def _stub_argv(cmdline: Optional[List[bytes]] = None) -> Optional[List[bytes]]:
@@ -120,3 +131,61 @@ def install(cleanup: Callable[[], None], interval_s: float = 0.5) -> threading.T
     t = threading.Thread(target=watch, name="stub-guard", daemon=True)
     t.start()
     return t
+
+
+#: The reaper (``sh -c REAPER_SH reaper SERVER STUB REGION TMPDIR GRACE``).  It polls the
+#: stub's ``/proc/STUB/stat`` once a second: parent pid (field 4) and start time (field 22,
+#: so that a recycled pid is never taken for the stub).  When the stub is gone it removes
+#: the stub's ipc sockets (TMPDIR/tokenrouter-STUB-*, left by a SIGKILL) and exits;
+#: when the stub's parent is no longer SERVER, it waits GRACE seconds (for the stub's own
+#: clean-up), then SIGKILLs the stub and removes what that server and stub left: the
+#: stub's /dev/shm region, TMPDIR/tokenrouter-SERVER-* (adverts, locks),
+#: TMPDIR/tokenrouter-STUB-* (ipc sockets) and /dev/shm/tokenrouter-lockstep-SERVER-*.
+REAPER_SH = r"""
+set -f
+s=$1 me=$2 region=$3 tmp=$4 grace=$5
+probe() { read -r line < "/proc/$me/stat" 2>/dev/null || return 1; set -- $line; ppid=$4 start=${22}; }
+probe || exit 0
+born=$start
+while probe && [ "$start" = "$born" ] && [ "$ppid" = "$s" ]; do sleep 1; done
+if ! probe || [ "$start" != "$born" ]; then set +f; rm -f "$tmp/tokenrouter-$me-"*; exit 0; fi
+sleep "$grace"
+probe && [ "$start" = "$born" ] || exit 0
+kill -9 "$me"
+set +f
+[ -n "$region" ] && rm -f "$region"
+rm -f "$tmp/tokenrouter-$s-"* "$tmp/tokenrouter-$me-"* "/dev/shm/tokenrouter-lockstep-$s-"*
+"""
+
+
+def start_reaper(grace_s: float = 10.0) -> Optional[subprocess.Popen]:
+    """Start the out-of-process reaper of this Triton stub (see the module docstring).
+
+    Call it as early as the stub runs this package's code (the backend's ``model.py`` does,
+    at import).  The reaper costs one ``/bin/sh`` process per stub, polling ``/proc`` once
+    a second; it ends with the stub.
+
+    Args:
+        grace_s: seconds after the server's death before a stub still alive is killed
+            (its own clean-up, :func:`install`, normally ends it within a second).
+
+    Returns:
+        the reaper process, or None when this process is not a Triton stub or ``/bin/sh``
+        cannot be started (logged).
+    """
+    global _reaper
+    server = stub_parent_pid()
+    if server is None:
+        return None
+    if _reaper is not None and _reaper.poll() is None:
+        return _reaper
+    region = shm_region_path() or ""
+    try:
+        _reaper = subprocess.Popen(
+            ["/bin/sh", "-c", REAPER_SH, "tokenrouter-reaper", str(server), str(os.getpid()), region,
+             tempfile.gettempdir(), f"{max(0.0, grace_s):g}"],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+        return _reaper
+    except OSError as e:
+        logger.warning("no reaper for this stub (%s): a stub left hanging by a dead server stays", e)
+        return None
