@@ -127,9 +127,11 @@ def _start_fake_stub(tmp_path, body: str, grace_s: float):
 def test_reaper_kills_a_stub_hung_with_the_gil_after_its_server_died(tmp_path):
     """The stub's main thread blocks in C with the GIL held (as the Python backend's stub does
     when its server dies while it loads), so no Python thread of it runs again: only the
-    reaper, another process, can end it.  It leaves the stub alone while the server lives."""
+    reaper, another process, can end it.  It leaves the stub alone while the server lives,
+    whatever the stub's process name (one with a space and a parenthesis here)."""
     server, stub, reaper, region = _start_fake_stub(tmp_path, """
         stub_guard.install(lambda: None)  # the in-process guard: it never gets the GIL
+        ctypes.CDLL(None).prctl(15, b"a b) c", 0, 0, 0)  # PR_SET_NAME: a name with a space and a ")"
         ctypes.PyDLL(None).pause()  # blocks with the GIL held
     """, grace_s=0.5)
     mine = tmp_path / f"tokenrouter-{server.pid}-llm.peer.json"
@@ -139,22 +141,24 @@ def test_reaper_kills_a_stub_hung_with_the_gil_after_its_server_died(tmp_path):
     try:
         time.sleep(2.5)
         assert _state(stub) not in ("", "Z"), "the reaper killed a stub whose server is alive"
+        assert os.getsid(reaper) == reaper, "the reaper shares a session with the server (group signals reach it)"
         server.kill()
         server.wait()
         deadline = time.monotonic() + 10
         while _state(stub) not in ("", "Z") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _state(stub) in ("", "Z"), "the hung stub outlived its server"
+        while _state(reaper) not in ("", "Z") and time.monotonic() < deadline + 5:
+            time.sleep(0.1)  # the reaper removes the files after the kill
         assert not os.path.exists(region), "the stub's /dev/shm region was left behind"
         assert not mine.exists(), "the dead server's advert was left behind"
         assert other.exists(), "another server's advert was removed"
     finally:
         for pid in (stub, reaper):
-            try:
+            if _state(pid) not in ("", "Z"):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         server.kill()
+        server.wait()
         if os.path.exists(region):
             os.unlink(region)
 

@@ -36,7 +36,7 @@ def _setup():
         sys.path.append(root)
     from tokenrouter import sglang_cpu_compat, stub_guard
 
-    stub_guard.start_reaper()  # first: a server that dies from here on leaves no stub hanging
+    stub_guard.start_reaper()  # first: kills this stub if its server dies and leaves it hung
     sglang_cpu_compat.install()  # before transformers/sglang are imported; no-op with a GPU
 
 

@@ -14,13 +14,15 @@ main thread can be left blocked in the Python backend's C++ code with the GIL he
 waiting on a shared-memory mutex or semaphore the dead server will never release, and
 the stub's own parent check (``pb_stub.cc``: ``Stub::DestroyInstance(); exit(1)``) then
 waits for the GIL too.  No Python thread runs again in such a stub, so
-:func:`start_reaper` also starts a small ``/bin/sh`` process outside it, which kills a
-stub still alive ``grace_s`` seconds after its server died.
+:func:`start_reaper` also starts a small ``/bin/sh`` process outside it
+(``stub_reaper.sh``), which kills a stub still alive ``grace_s`` seconds after its server
+died and removes what the stub and the server left behind.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import tempfile
@@ -133,58 +135,63 @@ def install(cleanup: Callable[[], None], interval_s: float = 0.5) -> threading.T
     return t
 
 
-#: The reaper (``sh -c REAPER_SH reaper SERVER STUB REGION TMPDIR GRACE``).  It polls the
-#: stub's ``/proc/STUB/stat`` once a second: parent pid (field 4) and start time (field 22,
-#: so that a recycled pid is never taken for the stub).  When the stub is gone it removes
-#: the stub's ipc sockets (TMPDIR/tokenrouter-STUB-*, left by a SIGKILL) and exits;
-#: when the stub's parent is no longer SERVER, it waits GRACE seconds (for the stub's own
-#: clean-up), then SIGKILLs the stub and removes what that server and stub left: the
-#: stub's /dev/shm region, TMPDIR/tokenrouter-SERVER-* (adverts, locks),
-#: TMPDIR/tokenrouter-STUB-* (ipc sockets) and /dev/shm/tokenrouter-lockstep-SERVER-*.
-REAPER_SH = r"""
-set -f
-s=$1 me=$2 region=$3 tmp=$4 grace=$5
-probe() { read -r line < "/proc/$me/stat" 2>/dev/null || return 1; set -- $line; ppid=$4 start=${22}; }
-probe || exit 0
-born=$start
-while probe && [ "$start" = "$born" ] && [ "$ppid" = "$s" ]; do sleep 1; done
-if ! probe || [ "$start" != "$born" ]; then set +f; rm -f "$tmp/tokenrouter-$me-"*; exit 0; fi
-sleep "$grace"
-probe && [ "$start" = "$born" ] || exit 0
-kill -9 "$me"
-set +f
-[ -n "$region" ] && rm -f "$region"
-rm -f "$tmp/tokenrouter-$s-"* "$tmp/tokenrouter-$me-"* "/dev/shm/tokenrouter-lockstep-$s-"*
-"""
+#: The reaper script, next to this module (its header describes it).
+REAPER_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stub_reaper.sh")
+
+
+def _start_time(pid: int) -> Optional[str]:
+    """Start time of process ``pid`` (field 22 of ``/proc/PID/stat``, clock ticks since boot),
+    or None when it is gone.  The fields are read after the last ``)``: the process name
+    before it may hold spaces."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
 
 
 def start_reaper(grace_s: float = 10.0) -> Optional[subprocess.Popen]:
-    """Start the out-of-process reaper of this Triton stub (see the module docstring).
+    """Start the out-of-process reaper of this Triton stub (``stub_reaper.sh``; see the
+    module docstring).
 
     Call it as early as the stub runs this package's code (the backend's ``model.py`` does,
-    at import).  The reaper costs one ``/bin/sh`` process per stub, polling ``/proc`` once
-    a second; it ends with the stub.
+    at import; a stub that hangs before that is not covered).  The reaper is one ``/bin/sh``
+    process per stub, in its own session (signals sent to the server's process group do not
+    reach it), reading ``/proc`` once a second; it exits within a second of the stub.
+
+    Not started (returns None) where it could not work: this process is not a Triton stub;
+    the server is pid 1 (a container whose entrypoint execs tritonserver: when it dies the
+    kernel ends every process of the container, and nothing would wait for the reaper);
+    ``/proc`` belongs to another pid namespace; ``/bin/sh`` cannot be started (logged).
 
     Args:
-        grace_s: seconds after the server's death before a stub still alive is killed
-            (its own clean-up, :func:`install`, normally ends it within a second).
+        grace_s: seconds (rounded up to whole seconds) after the server's death before a
+            stub still alive is killed; its own clean-up (:func:`install`) normally ends it
+            within a second.
 
     Returns:
-        the reaper process, or None when this process is not a Triton stub or ``/bin/sh``
-        cannot be started (logged).
+        the reaper process, or None.
     """
     global _reaper
     server = stub_parent_pid()
-    if server is None:
+    if server is None or server == 1:
         return None
     if _reaper is not None and _reaper.poll() is None:
         return _reaper
-    region = shm_region_path() or ""
+    try:
+        if os.readlink("/proc/self") != str(os.getpid()):
+            return None
+    except OSError:
+        return None
+    born = _start_time(os.getpid())
+    if born is None:
+        return None
     try:
         _reaper = subprocess.Popen(
-            ["/bin/sh", "-c", REAPER_SH, "tokenrouter-reaper", str(server), str(os.getpid()), region,
-             tempfile.gettempdir(), f"{max(0.0, grace_s):g}"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True)
+            ["/bin/sh", REAPER_SCRIPT, str(server), _start_time(server) or "", str(os.getpid()), born,
+             shm_region_path() or "", tempfile.gettempdir(), str(max(0, math.ceil(grace_s)))],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, close_fds=True,
+            start_new_session=True)
         return _reaper
     except OSError as e:
         logger.warning("no reaper for this stub (%s): a stub left hanging by a dead server stays", e)
