@@ -225,3 +225,43 @@ def test_cpu_attention_matches_sglang(engine):
         assert a.shape == b.shape and a.shape[1] == engine.vocab_size
         assert torch.allclose(a, b, atol=2e-3, rtol=1e-3), float((a - b).abs().max())
     assert engine.kv_tokens_in_use() == 0
+
+
+@pytest.mark.parametrize("dtype,heads,kv_heads", [(torch.bfloat16, 9, 3), (torch.float32, 9, 3),
+                                                  (torch.bfloat16, 32, 8), (torch.float32, 4, 4)])
+def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads):
+    """The grouped decode/resume attention (float32 batched matmuls, not SDPA) against a
+    float64 per-request reference: GQA and plain multi-head, masks with padding, groups of
+    several new tokens, rows that are not contiguous in the step's token order, and a
+    group split by its padding."""
+    from tokenrouter import sglang_cpu_compat as compat
+
+    g = torch.Generator().manual_seed(0)
+    d, pool, rows_max, ctx = 16, 4096, 16, 512
+    lengths = (200, 190, 185, 30, 150, 25, 60, 55, 7)
+    new = (1, 2, 2, 1, 1, 1, 3, 3, 1)
+    perm = torch.randperm(pool - 1, generator=g) + 1  # scattered KV slots
+    req_to_token = torch.zeros(rows_max, ctx, dtype=torch.int32)
+    for r, L in enumerate(lengths):
+        req_to_token[r, :L] = perm[r * ctx // 8: r * ctx // 8 + L].to(torch.int32)
+    k_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
+    q_tok = torch.randn(sum(new), heads, d, generator=g).to(dtype)
+    plan = compat._StepPlan(None, torch.tensor(range(len(lengths))), torch.tensor(lengths), list(new), req_to_token)
+    assert not plan.lone and len(plan.groups) >= 4  # by count, and the 1-token group split by padding
+    out = torch.zeros_like(q_tok)
+    for grp in plan.groups:
+        grp.attend(q_tok, out, k_cache, v_cache, d ** -0.5, heads != kv_heads)
+    t, rep = 0, heads // kv_heads
+    for r, (L, n) in enumerate(zip(lengths, new)):
+        slots = req_to_token[r, :L].long()
+        k = k_cache[slots].double().repeat_interleave(rep, dim=1).transpose(0, 1)  # [heads, L, d]
+        v = v_cache[slots].double().repeat_interleave(rep, dim=1).transpose(0, 1)
+        q = q_tok[t:t + n].double().transpose(0, 1)  # [heads, n, d]
+        s = q @ k.transpose(1, 2) * d ** -0.5
+        visible = torch.arange(L)[None, :] <= (L - n + torch.arange(n))[:, None]
+        ref = torch.softmax(s.masked_fill(~visible, float("-inf")), -1) @ v
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        got = out[t:t + n].double().transpose(0, 1)
+        assert torch.allclose(got, ref, atol=tol), (r, float((got - ref).abs().max()))
+        t += n

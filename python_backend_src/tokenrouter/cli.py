@@ -108,8 +108,15 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
     client.start_stream(callback=on_response)
     finished = False
     try:
-        client.async_stream_infer(model, _inputs(grpcclient, prompt, sampling, True, chat, trace),
-                                  enable_empty_final_response=True)
+        try:
+            client.async_stream_infer(model, _inputs(grpcclient, prompt, sampling, True, chat, trace),
+                                      enable_empty_final_response=True)
+        except Exception as e:  # noqa: BLE001
+            # a stream that broke (server unreachable) reports the cause to the callback;
+            # tritonclient's own exception then only says the stream is no longer valid
+            if done.wait(0.5) and failure:
+                raise failure[0] from e
+            raise
         last[0] = time.monotonic()
         while not done.wait(min(1.0, max(0.0, last[0] + timeout_s - time.monotonic()))):
             if time.monotonic() - last[0] >= timeout_s:

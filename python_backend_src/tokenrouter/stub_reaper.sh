@@ -8,8 +8,8 @@
 # GRACE: whole seconds.  Once a second it reads the stub's /proc/STUB/stat:
 #   * the stub is gone: remove its ipc sockets (TMPDIR/tokenrouter-STUB-*, left by a
 #     SIGKILL); when the server is gone too, also what the server left (below); exit;
-#   * the stub's parent is no longer SERVER (the server died): wait GRACE seconds for the
-#     stub's own clean-up; if it is still there (hung in the Python backend's C++ code with
+#   * the stub's parent is no longer SERVER (the server died): wait up to GRACE seconds
+#     (polled once a second) for the stub's own clean-up; if it is still there (hung in the Python backend's C++ code with
 #     the GIL held), SIGKILL it, remove its region, its sockets and the server's files
 #     (TMPDIR/tokenrouter-SERVER-*: adverts and locks; tokenrouter-lockstep-SERVER-* turn
 #     files in /dev/shm or TMPDIR); exit.
@@ -38,7 +38,13 @@ if ! stub_alive; then
     server_alive || server_files
     exit 0
 fi
-sleep "$grace" || exit 1
+# the grace period, polled: a stub that cleans up and exits frees its reaper at once
+i=0
+while [ "$i" -lt "$grace" ]; do
+    stub_alive || exit 0
+    sleep 1 || exit 1
+    i=$((i + 1))
+done
 stub_alive || exit 0
 kill -9 "$me"
 (set +f; rm -f "$tmp/tokenrouter-$me-"*)
