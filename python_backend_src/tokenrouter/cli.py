@@ -156,11 +156,17 @@ def main(argv: Optional[list] = None) -> int:
         sampling["seed"] = a.seed
     if a.threshold is not None:
         sampling["routing_threshold"] = a.threshold
+    streamed = []
+
+    def show(text: str) -> None:
+        streamed.append(True)
+        sys.stdout.write(text)
+        sys.stdout.flush()
+
     try:
-        out = stream_generate(a.url, a.prompt, sampling, chat=not a.no_chat, trace=a.trace,
-                              on_text=lambda s: (sys.stdout.write(s), sys.stdout.flush()))
+        out = stream_generate(a.url, a.prompt, sampling, chat=not a.no_chat, trace=a.trace, on_text=show)
     except Exception as e:  # noqa: BLE001
-        print(f"\nerror: {e}", file=sys.stderr)
+        print(("\n" if streamed else "") + f"error: {e}", file=sys.stderr)
         return 1
     s = out.get("routing_summary", {})
     print()
