@@ -251,7 +251,7 @@ def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads):
     assert not plan.lone and len(plan.groups) >= 4  # by count, and the 1-token group split by padding
     out = torch.zeros_like(q_tok)
     for grp in plan.groups:
-        grp.attend(q_tok, out, k_cache, v_cache, d ** -0.5, heads != kv_heads)
+        grp.attend(q_tok, out, k_cache, v_cache, d ** -0.5)
     t, rep = 0, heads // kv_heads
     for r, (L, n) in enumerate(zip(lengths, new)):
         slots = req_to_token[r, :L].long()

@@ -297,7 +297,7 @@ class _Group:
             self.index = torch.tensor([t + j for t in token_starts for j in range(n)], dtype=torch.int64,
                                       device=dev)
 
-    def attend(self, q_tok, output, k_cache, v_cache, scaling, enable_gqa) -> None:
+    def attend(self, q_tok, output, k_cache, v_cache, scaling) -> None:
         """Fill this group's rows of ``output`` [tokens, heads, head_dim] from ``q_tok`` (same shape).
 
         Computes ``softmax(q k^T * scaling + mask) v`` in float32 with two batched matmuls per
@@ -448,7 +448,7 @@ def _sdpa_forward_decode_batched(self, query, output, k_cache, v_cache, req_to_t
                                  is_cross_attn=is_cross_attn, sliding_window_size=sliding_window_size)
     plan = _plan(self, (req_pool_indices, seq_lens), [1] * int(seq_lens.shape[0]), req_to_token)
     for g in plan.groups:
-        g.attend(query, output, k_cache, v_cache, scaling, enable_gqa)
+        g.attend(query, output, k_cache, v_cache, scaling)  # GQA from the head counts
     return output
 
 
@@ -489,7 +489,7 @@ def _sdpa_forward_extend_new_rows(self, query, output, k_cache, v_cache, req_to_
                                  sliding_window_size=sliding_window_size)
     plan = _plan(self, (req_pool_indices, seq_lens, extend_seq_lens), extend_seq_lens, req_to_token)
     for g in plan.groups:
-        g.attend(query, output, k_cache, v_cache, scaling, enable_gqa)
+        g.attend(query, output, k_cache, v_cache, scaling)  # GQA from the head counts
     hd = query.dim() - 2
     for row, seq_len, n, start in plan.lone:
         end = start + n

@@ -9,10 +9,10 @@
 #   * the stub is gone: remove its ipc sockets (TMPDIR/tokenrouter-STUB-*, left by a
 #     SIGKILL); when the server is gone too, also what the server left (below); exit;
 #   * the stub's parent is no longer SERVER (the server died): wait up to GRACE seconds
-#     (polled once a second) for the stub's own clean-up; if it is still there (hung in the Python backend's C++ code with
-#     the GIL held), SIGKILL it, remove its region, its sockets and the server's files
-#     (TMPDIR/tokenrouter-SERVER-*: adverts and locks; tokenrouter-lockstep-SERVER-* turn
-#     files in /dev/shm or TMPDIR); exit.
+#     (polled once a second) for the stub's own clean-up; if it is still there (hung in
+#     the Python backend's C++ code with the GIL held), SIGKILL it, remove its region,
+#     its sockets and the server's files (TMPDIR/tokenrouter-SERVER-*: adverts and locks;
+#     tokenrouter-lockstep-SERVER-* turn files in /dev/shm or TMPDIR); exit.
 set -f
 trap '' INT TERM HUP
 s=$1 s_born=$2 me=$3 born=$4 region=$5 tmp=$6 grace=$7
