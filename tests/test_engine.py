@@ -265,3 +265,40 @@ def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads):
         got = out[t:t + n].double().transpose(0, 1)
         assert torch.allclose(got, ref, atol=tol), (r, float((got - ref).abs().max()))
         t += n
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cpu_rotary_embedding_is_bit_identical_to_sglangs(engine, dtype):
+    """The per-step cached, jointly rotated RoPE (``_rope_forward_native``) against SGLang's
+    own ``forward_native`` on the served model's rotary module: bit-identical queries and
+    keys, also when the positions tensor is changed in place or replaced within one step
+    (the cached cos/sin must follow), and the served model actually uses it."""
+    from sglang.srt.layers.rotary_embedding import base as rope_base
+    from tokenrouter import sglang_cpu_compat as compat
+
+    if compat._orig_rope_native is None:
+        pytest.skip("the CPU rotary embedding is not installed on this host")
+    assert rope_base.RotaryEmbedding.forward_native is compat._rope_forward_native
+    rope = next(m for m in engine.runner.model.modules() if isinstance(m, rope_base.RotaryEmbedding))
+    assert rope._forward_method.__func__ is compat._rope_forward_native  # what the layers call
+    cfg = engine.model_config
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, rope.head_size
+    g = torch.Generator().manual_seed(1)
+    positions = torch.tensor([0, 5, 17, 100, 101, 3, 2047])
+    for step in range(3):
+        if step == 1:
+            positions.add_(7)  # same tensor, new values
+        elif step == 2:
+            positions = torch.tensor([9, 8, 7])  # a new tensor
+        T = positions.shape[0]
+        qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+        q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # strided views, as served
+        q_ref, k_ref = compat._orig_rope_native(rope, positions, q.clone(), k.clone())
+        for _ in range(2):  # the second call reads the cached cos/sin
+            q_got, k_got = compat._rope_forward_native(rope, positions, q, k)
+            assert q_got.shape == q.shape and k_got.shape == k.shape
+            assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref), step
+    offsets = torch.ones_like(positions)  # not the fast path: SGLang's own result
+    q_got, k_got = compat._rope_forward_native(rope, positions, q, k, offsets)
+    q_ref, k_ref = compat._orig_rope_native(rope, positions, q, k, offsets)
+    assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref)
