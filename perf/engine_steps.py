@@ -14,6 +14,11 @@ extend forwards and keep the batched extend attention either way.
     python perf/engine_steps.py                                   # SLM, bf16, 1 thread, batch 1, 8, 32
     python perf/engine_steps.py --sglang-decode                   # the same with SGLang's decode loop
     python perf/engine_steps.py --model llama-size-realistic --load-format dummy
+    python perf/engine_steps.py --batch-sizes 8 --profile                   # where a step's time goes
+
+``--profile`` then also runs ``--decode-steps`` more decode steps of max(batch sizes) rows
+under ``torch.profiler`` and prints the operators by self CPU time; the row named
+``step[DECODE …]`` is the step's own Python, outside any operator.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sglang-decode", action="store_true",
                     help="use SGLang's per-request decode attention loop instead of the batched one")
     ap.add_argument("--json", help="also write the rows to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile decode steps of max(batch sizes) rows with torch.profiler")
     a = ap.parse_args(argv)
     try:
         bs = [int(x) for x in a.batch_sizes.split(",") if x]
@@ -71,11 +78,39 @@ def main(argv=None) -> int:
     for r in rows:
         pre = ", ".join(f"{p['latency_s'] * 1e3:.0f} ({p['rows']})" for p in r["prefill"])
         print(f"| {r['batch_size']} | {r['decode_median_s'] * 1e3:.1f} | {r['resume_latency_s'] * 1e3:.1f} | {pre} |")
+    if a.profile:
+        _profile_decode(engine, max(bs), a.context, a.decode_steps)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "dtype": a.dtype, "threads": a.threads, "context": a.context,
                        "decode_attention": attn, "rows": rows}, f, indent=1)
     return 0
+
+
+def _profile_decode(engine, rows: int, context: int, steps: int) -> None:
+    """Print ``torch.profiler``'s operator table (by self CPU time) over ``steps`` decode steps
+    of ``rows`` synthetic sequences of ``context`` tokens, after 2 untimed steps."""
+    import random
+
+    from torch.profiler import ProfilerActivity, profile
+
+    rng = random.Random(0)
+    seqs = [engine.add(f"__profile-{j}", [rng.randrange(engine.vocab_size) for _ in range(context)])
+            for j in range(rows)]
+    try:
+        for i in range(steps + 3):
+            if i == 3:
+                prof = profile(activities=[ProfilerActivity.CPU])
+                prof.__enter__()
+            engine.forward(seqs)
+            for s in seqs:
+                s.tokens.append(rng.randrange(engine.vocab_size))
+        prof.__exit__(None, None, None)
+    finally:
+        for s in seqs:
+            engine.release(s)
+    print(f"\ntorch.profiler, {steps} decode steps of {rows} rows (self CPU time per step = total / {steps}):")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

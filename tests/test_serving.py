@@ -373,3 +373,14 @@ def test_admin_command_line(triton_server):
     assert p.returncode == 2 and "JSON" in p.stderr
     p = run("stats", "--models", "nosuchmodel")
     assert p.returncode == 1 and "nosuchmodel" in p.stderr
+
+
+def test_server_log_keeps_sglang_lines_but_not_cpu_import_noise(triton_server):
+    """On a CPU host SGLang warns "Ignore import error when loading sglang.srt.models.…" for
+    about 30 GPU-only model files at every model load; the CPU layer logs those at DEBUG.
+    SGLang's other log lines still reach the server log."""
+    if triton_server.log_path is None:
+        pytest.skip("this server's log is not kept")
+    text = triton_server.log_path.read_text(errors="replace")
+    assert "Cuda graph is disabled" in text  # an SGLang INFO line of each CPU model load
+    assert "Ignore import error when loading" not in text

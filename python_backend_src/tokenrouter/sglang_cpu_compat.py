@@ -18,7 +18,9 @@ CPU machine with PyPI wheels does not have:
    with ``torch.library`` (torch's own mechanism) lets it import.
 3. ``triton`` is installed as the real package (imported, never run on CPU).
 
-Call :func:`install` before the first ``import sglang``.
+Call :func:`install` before the first ``import sglang``.  It also moves SGLang's
+"Ignore import error when loading sglang.srt.models.…" warnings (about 30 per model
+load: model files that need GPU kernels) to DEBUG on CPU hosts.
 
 Two CPU performance steps, used by :class:`tokenrouter.engine.SGLangEngine`:
 
@@ -35,6 +37,7 @@ Two CPU performance steps, used by :class:`tokenrouter.engine.SGLangEngine`:
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import types
@@ -122,6 +125,25 @@ def _declare_torchvision_ops() -> None:
     sys.modules[__name__]._torchvision_lib = lib  # type: ignore[attr-defined]
 
 
+#: SGLang's loggers that warn once per model file whose import fails (GPU-only kernels on a CPU host)
+_IMPORT_NOISE_LOGGERS = ("sglang.srt.models.registry", "sglang.srt.managers.multimodal_processor")
+
+
+class _ImportNoiseToDebug(logging.Filter):
+    """Logs SGLang's "Ignore import error when loading …" warnings at DEBUG instead.
+
+    On a CPU host dozens of SGLang's model files fail to import (they need CUDA kernels),
+    and SGLang warns once per file at every model load.  The records are kept, at DEBUG, so
+    ``logging.getLogger("sglang.srt.models.registry").setLevel(logging.DEBUG)`` shows them.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno == logging.WARNING and str(record.msg).startswith("Ignore import error when loading"):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
 def install() -> bool:
     """Apply the CPU compatibility steps once; return True if applied.
 
@@ -139,6 +161,8 @@ def install() -> bool:
     except ImportError:
         sys.modules["sgl_kernel"] = _SglKernelCPU()
     _declare_torchvision_ops()
+    for name in _IMPORT_NOISE_LOGGERS:
+        logging.getLogger(name).addFilter(_ImportNoiseToDebug())
     _installed = True
     return True
 
