@@ -55,7 +55,10 @@ The tokenrouter mode's B* (every model's threshold searched) comes from
 ``python -m scheduler_model profile`` + ``solve`` on the routing events of the
 eager-async cell at the same (N, length), which runs just before it; its
 delayed-batching wait bound is ``--wait-factor`` × the SLM's mean step time in
-that cell.  Results: JSON, a markdown table and PNG plots under --out.
+that cell.  Where B* is 1 for every model, tokenrouter's settings are eager-async's, so
+its row is that eager-async run (marked ``same_run_as``; ratio exactly 1) rather than a
+second sample of the same configuration.  Results: JSON, a markdown table and PNG plots
+under --out.
 
 Scaled for a 2-core CPU by default (output lengths 16/48 tokens instead of the
 issue's 128/512, N up to 8, 12 s of measurement per cell); ``--full``
@@ -82,6 +85,7 @@ short requests: 84 × (12 + ~6) s + 3 min) about 28 min.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import os
@@ -317,6 +321,7 @@ def _line(pair: str, mode: str, N: int, L: int, row: Dict[str, Any]) -> str:
             f"ITL p50 {row['itl_p50_s'] * 1e3:.1f}ms  e2e p50/p99 {row['e2e_p50_s']:.2f}/{row['e2e_p99_s']:.2f}s  "
             f"llm {row['llm_share']:.2f}  handoffs/req {row['handoffs_per_request']:.1f}"
             + (f"  B*={row['B_star']}" if "B_star" in row else "")
+            + (f" (the {row['same_run_as']} run)" if row.get("same_run_as") else "")
             + (f"  errors={row['errors']}" if row["errors"] else ""))
 
 
@@ -448,6 +453,7 @@ def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], t
                 bstar = wait_us = None
                 by_mode: Dict[str, List[Dict[str, Any]]] = {}
                 for rep in range(args.repeats):
+                    eager_row = None  # this repeat's eager-async measurement
                     for mode in _mode_order(args.modes, nt is not None):
                         if mode == "tokenrouter" and bstar is None:  # no eager-async cell: profile one first
                             configure_mode(url, "eager-async")
@@ -456,8 +462,12 @@ def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], t
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
                             bstar = b_star_from_events(lines, N, work, calib)
                             wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
+                            eager_row = {"pair": pair, "mode": "eager-async", "N": N, "max_tokens": L, **eager}
                         B = {**bstar["B_star"], **args.batch_override} if mode == "tokenrouter" else None
-                        if mode == "no-triton":  # tokenrouter's B* of this cell, as run_no_triton takes it
+                        if mode == "tokenrouter" and eager_row is not None and all(B[m] == 1 for m in MODELS):
+                            # B = 1 everywhere is eager-async's configuration (configure_mode): the same run
+                            row = {**copy.deepcopy(eager_row), "mode": "tokenrouter", "same_run_as": "eager-async"}
+                        elif mode == "no-triton":  # tokenrouter's B* of this cell, as run_no_triton takes it
                             B = {**bstar["B_star"], **args.batch_override} if bstar else {m: 1 for m in MODELS}
                             for m in MODELS:  # the idle server's models: eager
                                 admin.configure(url, m, **RESET)
@@ -470,6 +480,8 @@ def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], t
                             row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
                                    **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok,
                                                   probe=probe, cpu=cpu)}
+                        if mode == "eager-async":
+                            eager_row = row
                         if mode == "eager-async" and "tokenrouter" in args.modes and rep == 0:
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
                             bstar = b_star_from_events(lines, N, work, calib)
@@ -674,9 +686,13 @@ def ratio_interval(a: Dict[str, Any], b: Dict[str, Any]) -> tuple:
     sd_b²/(n_b·m_b²))`` with ``n = min(n_a, n_b)`` windows; the interval is ``(r·e^-h, r·e^h)``.
 
     Returns:
-        ``(ratio, low, high)``; low/high NaN for one-shot rows or fewer than 2 windows; ratio
-        NaN when b's throughput is 0 or missing.
+        ``(ratio, low, high)``; ``(1, 1, 1)`` when one row is the other's measurement
+        (``same_run_as``: tokenrouter at B* = 1 is the eager-async run); low/high NaN for
+        one-shot rows or fewer than 2 windows; ratio NaN when b's throughput is 0 or missing.
     """
+    reuses = lambda x, y: x.get("same_run_as") is not None and x["same_run_as"] == y.get("mode")  # noqa: E731
+    if reuses(a, b) or reuses(b, a):
+        return 1.0, 1.0, 1.0  # one measurement under both names (B* = 1: tokenrouter is eager-async)
     ra, rb = a.get("throughput_repeats") or [], b.get("throughput_repeats") or []
     if len(ra) == len(rb) >= 2 and all(x > 0 for x in ra + rb):
         from scipy.stats import t as student_t
@@ -725,7 +741,8 @@ def markdown(results: Dict[str, Any]) -> str:
         lines.append(f"| {r['pair']} | {r['mode']} | {r['N']} | {r['max_tokens']} | {tps} | "
                      f"{_fmt(r.get('requests_per_s', float('nan')))} | {_pcts(r, 'ttft')} | {_pcts(r, 'itl', 1e3)} | "
                      f"{_pcts(r, 'e2e')} | {_fmt(tail)} | {_fmt(r['llm_share'])} | "
-                     f"{_fmt(r['handoffs_per_request'])} | {busy_s} | {r.get('B_star', '')} |")
+                     f"{_fmt(r['handoffs_per_request'])} | {busy_s} | {r.get('B_star', '')}"
+                     + (f" (the {r['same_run_as']} run)" if r.get("same_run_as") else "") + " |")
     by = {(r["pair"], r["N"], r["max_tokens"], r["mode"]): r for r in rows}
     present = [b for b in BASELINES if any(r["mode"] == b for r in rows)]
     # the ratios' subject: tokenrouter, else eager-async (e.g. --modes eager-async,no-triton)

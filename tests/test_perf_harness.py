@@ -118,6 +118,17 @@ def test_ratio_interval_from_window_spread():
     assert r1 == 2.0 and math.isnan(lo1)
 
 
+def test_ratio_of_a_row_to_the_run_it_reuses_is_exactly_one():
+    from bench_matrix import ratio_interval
+
+    eager = {"mode": "eager-async", "throughput_tok_s": 80.0, "throughput": spread([70.0, 80.0, 90.0])}
+    other = {"mode": "lock-step", "throughput_tok_s": 40.0, "throughput": spread([35.0, 40.0, 45.0])}
+    same = {**eager, "mode": "tokenrouter", "same_run_as": "eager-async"}
+    assert ratio_interval(same, eager) == (1.0, 1.0, 1.0) == ratio_interval(eager, same)
+    r, lo, hi = ratio_interval(same, other)  # against any other mode: the eager run's own ratio
+    assert (r, lo, hi) == ratio_interval(eager, other) and lo < 2.0 < hi
+
+
 def test_interleaved_repeats_merge_and_pair():
     from bench_matrix import merge_repeats, ratio_interval
 
@@ -255,6 +266,11 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     assert rows["llm-only"]["llm_share"] == 1.0 and rows["llm-only"]["handoffs_per_request"] == 0
     assert rows["llm-only"]["busy_share"]["slm"]["max"] == 0.0 and rows["llm-only"]["busy_share"]["llm"]["mean"] > 0
     assert set(rows["tokenrouter"]["B_star"]) == {"slm", "llm"}
+    if all(b == 1 for b in rows["tokenrouter"]["B_star"].values()):  # eager-async's settings: that very run
+        assert rows["tokenrouter"]["same_run_as"] == "eager-async"
+        assert rows["tokenrouter"]["throughput_repeats"] == rows["eager-async"]["throughput_repeats"]
+    else:
+        assert "same_run_as" not in rows["tokenrouter"]
     # --algorithm-params is merged into the router's parameters (the demo's max_llm_run etc. kept)
     from tokenrouter.repository import read_config
 
