@@ -307,3 +307,17 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
         fit = json.loads(prof.read_text())["step_latency_model"]["llm"]["fit"]
         assert fit["sources"]["calibration"] > 0 and fit["calibration_scale"] > 0
 
+
+
+def test_contention_table_splits_steps_by_overlap_with_the_other_model():
+    from contention import contention_table, overlap_shares
+
+    slm = [{"t": 1.0, "latency_s": 1.0, "batch_size": 2}, {"t": 2.0, "latency_s": 1.0, "batch_size": 2},
+           {"t": 3.5, "latency_s": 1.5, "batch_size": 2}, {"t": 4.0, "latency_s": 0.5, "batch_size": 2,
+                                                            "extend_tokens": 9}]  # not a pure decode step
+    llm = [{"t": 1.75, "latency_s": 0.5}, {"t": 3.6, "latency_s": 1.6}]  # [1.25, 1.75], [2.0, 3.6]
+    assert overlap_shares(slm, llm) == pytest.approx([0.0, 0.5, 1.0, 0.2])
+    (row,) = contention_table(slm[:3], llm, alone=0.05, during=0.95, min_steps=1)
+    assert row["batch_size"] == 2 and row["alone_s"] == 1.0 and row["during_s"] == 1.5 and row["ratio"] == 1.5
+    assert row["n_alone"] == 1 and row["n_during"] == 1  # the half-overlapped step is in neither group
+    assert contention_table(slm, llm, min_steps=2) == []  # the extend step is left out: too few steps
