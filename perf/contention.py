@@ -99,12 +99,15 @@ def main(argv=None) -> int:
     ap.add_argument("--alone", type=float, default=0.05, help="'alone': overlap share below this (default 0.05)")
     ap.add_argument("--during", type=float, default=0.95, help="'during': overlap share above this (default 0.95)")
     a = ap.parse_args(argv)
-    (m0, s0), (m1, s1) = load_steps(a.events[0]), load_steps(a.events[1])
-    calib = {}
-    if a.calibration:
-        with open(a.calibration) as f:
-            c = json.load(f)
-        calib = {m: {r["batch_size"]: r["decode_median_s"] for r in v["table"]} for m, v in c["models"].items()}
+    try:
+        (m0, s0), (m1, s1) = load_steps(a.events[0]), load_steps(a.events[1])
+        calib = {}
+        if a.calibration:
+            with open(a.calibration) as f:
+                c = json.load(f)
+            calib = {m: {r["batch_size"]: r["decode_median_s"] for r in v["table"]} for m, v in c["models"].items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        ap.error(f"cannot read the inputs: {e}")
     ms = lambda x: "–" if x is None else f"{x * 1e3:.1f}"  # noqa: E731
     for model, steps, other_name, other in ((m0, s0, m1, s1), (m1, s1, m0, s0)):
         print(f"\n{model}: pure decode steps, median ms (steps); alone = < {a.alone:.0%} of the step inside "

@@ -11,7 +11,8 @@ comparison quoted in the README ("CPU batched attention").  Resume steps run as
 extend forwards and keep the batched extend attention either way.
 
     source deploy/env.sh
-    python perf/engine_steps.py                                   # SLM, bf16, 1 thread, batch 1, 8, 32
+    python perf/engine_steps.py                                   # SLM, bf16 (the size-realistic pair's dtype), 1 thread, batch 1, 8, 32
+    python perf/engine_steps.py --dtype float32                   # the demo pair's dtype
     python perf/engine_steps.py --sglang-decode                   # the same with SGLang's decode loop
     python perf/engine_steps.py --model llama-size-realistic --load-format dummy
     python perf/engine_steps.py --batch-sizes 8 --profile                   # where a step's time goes
