@@ -98,15 +98,17 @@ def _profile_decode(engine, rows: int, context: int, steps: int) -> None:
     rng = random.Random(0)
     seqs = [engine.add(f"__profile-{j}", [rng.randrange(engine.vocab_size) for _ in range(context)])
             for j in range(rows)]
+    def step() -> None:
+        engine.forward(seqs)
+        for s in seqs:
+            s.tokens.append(rng.randrange(engine.vocab_size))
+
     try:
-        for i in range(steps + 3):
-            if i == 3:
-                prof = profile(activities=[ProfilerActivity.CPU])
-                prof.__enter__()
-            engine.forward(seqs)
-            for s in seqs:
-                s.tokens.append(rng.randrange(engine.vocab_size))
-        prof.__exit__(None, None, None)
+        for _ in range(3):  # the prefill and 2 untimed decode steps
+            step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
     finally:
         for s in seqs:
             engine.release(s)

@@ -480,14 +480,14 @@ def _rope_forward_native(self, positions, query, key, offsets=None, fused_set_kv
             or hasattr(self, "sin_cos_cache") or self._apply_rotary_emb_wrapped is not _plain_apply_rotary_emb):
         return _orig_rope_native(self, positions, query, key, offsets, fused_set_kv_buffer_arg)
     T = positions.shape[0]
-    c = getattr(self, "_tr_rope", None)  # (serial, positions, version, dtype, cache, cos, sin)
-    if (c is None or c[0] != _step_serial or c[1] is not positions or c[2] != _version(positions)
-            or c[3] != query.dtype or c[4] is not self.cos_sin_cache):
+    tag = (_step_serial, _version(positions), query.dtype)
+    c = getattr(self, "_tr_rope", None)  # (tag, positions, cos_sin_cache, cos, sin)
+    if c is None or c[0] != tag or c[1] is not positions or c[2] is not self.cos_sin_cache:
         cos, sin = self.cos_sin_cache.index_select(0, positions).chunk(2, dim=-1)
         cos = torch.cat((cos, cos), dim=-1).unsqueeze(1).to(query.dtype)
         sin = torch.cat((sin, sin), dim=-1).unsqueeze(1).to(query.dtype)
-        c = self._tr_rope = (_step_serial, positions, _version(positions), query.dtype, self.cos_sin_cache, cos, sin)
-    cos, sin = c[5], c[6]
+        c = self._tr_rope = (tag, positions, self.cos_sin_cache, cos, sin)
+    cos, sin = c[3], c[4]
     q_shape, k_shape = query.shape, key.shape
     q = query.reshape(T, -1, d)
     H = q.shape[1]
