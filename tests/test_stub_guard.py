@@ -85,10 +85,12 @@ def _state(pid: int) -> str:
         return ""
 
 
-def _start_fake_stub(tmp_path, body: str, grace_s: float):
+def _start_fake_stub(tmp_path, body: str, grace_s: float, reap: bool = True):
     """A "server" process that starts a "stub" with Triton's stub command line
     (``triton_python_backend_stub <model.py> <shm region> <size> <growth> <server pid>``),
-    the stub running ``body`` after ``stub_guard.start_reaper(grace_s)``.
+    the stub running ``body`` after ``stub_guard.start_reaper(grace_s)``.  With ``reap=False``
+    the server never waits for its stub, which stays a zombie once it exits (tritonserver
+    with a killed stub whose instance does not unload).
     Returns (server Popen, stub pid, reaper pid, shm region path)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -112,7 +114,8 @@ def _start_fake_stub(tmp_path, body: str, grace_s: float):
         import os, subprocess, time
         stub = subprocess.Popen([{str(stub_exe)!r}, {str(model)!r}, {region!r}, "1048576", "1048576",
                                  str(os.getpid())])
-        stub.wait()  # reaps its stub, as tritonserver does
+        if {reap!r}:
+            stub.wait()  # reaps its stub, as tritonserver does when the instance unloads
         time.sleep(600)
     """)
     server = subprocess.Popen([sys.executable, "-c", server_script], env={**os.environ, "TMPDIR": str(tmp_path)})
@@ -164,20 +167,57 @@ def test_reaper_kills_a_stub_hung_with_the_gil_after_its_server_died(tmp_path):
 
 
 def test_reaper_ends_with_its_stub(tmp_path):
-    """A stub that exits (unloaded, or killed) takes its reaper with it within a second or two;
-    the reaper removes the ipc socket files a killed stub left."""
+    """A stub that exits and whose region the server removes (an unload) takes its reaper with
+    it within a second or two; the reaper removes the ipc socket files a killed stub left."""
     server, stub, reaper, region = _start_fake_stub(tmp_path, """
         open(os.path.join(os.environ["TMPDIR"], f"tokenrouter-{os.getpid()}-llm-0123abcd"), "w").close()
         os._exit(0)
     """, grace_s=0.5)
     try:
         deadline = time.monotonic() + 5
+        while not (tmp_path / f"tokenrouter-{stub}-llm-0123abcd").exists() and _state(stub) not in ("", "Z") \
+                and time.monotonic() < deadline:
+            time.sleep(0.05)
+        while (tmp_path / f"tokenrouter-{stub}-llm-0123abcd").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not (tmp_path / f"tokenrouter-{stub}-llm-0123abcd").exists(), "the stub's ipc socket was left"
+        time.sleep(1.5)
+        assert _state(reaper) not in ("", "Z"), "the reaper left while the dead stub's region stays"
+        assert os.path.exists(region), "the reaper removed the region of a stub whose server is alive"
+        os.unlink(region)  # the server unloads the instance
+        deadline = time.monotonic() + 5
         while _state(reaper) not in ("", "Z") and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _state(reaper) in ("", "Z"), "the reaper outlived its stub"
-        assert not (tmp_path / f"tokenrouter-{stub}-llm-0123abcd").exists(), "the stub's ipc socket was left"
-        assert os.path.exists(region), "the reaper removed the region of a stub whose server is alive"
+        assert _state(reaper) in ("", "Z"), "the reaper outlived its stub and its region"
     finally:
         server.kill()
         server.wait()
-        os.unlink(region)
+        if os.path.exists(region):
+            os.unlink(region)
+
+
+def test_reaper_removes_a_dead_stubs_region_when_its_server_exits(tmp_path):
+    """A killed stub whose instance never finishes unloading (a BLS request waits on it) keeps
+    its region; a server that then exits on its exit timeout never removes it.  The reaper
+    waits for the server and removes the region then."""
+    server, stub, reaper, region = _start_fake_stub(tmp_path, """
+        os._exit(0)
+    """, grace_s=0.5, reap=False)
+    try:
+        deadline = time.monotonic() + 5
+        while _state(stub) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.5)
+        assert os.path.exists(region), "the reaper removed the region of a stub whose server is alive"
+        server.kill()
+        server.wait()
+        deadline = time.monotonic() + 5
+        while _state(reaper) not in ("", "Z") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _state(reaper) in ("", "Z"), "the reaper outlived the server"
+        assert not os.path.exists(region), "the dead stub's /dev/shm region was left behind"
+    finally:
+        server.kill()
+        server.wait()
+        if os.path.exists(region):
+            os.unlink(region)

@@ -63,3 +63,24 @@ def test_llm_killed_triton_transport(server):
     back = _wait_llm_back(server, ROUTER, t_kill)
     assert back["routing_summary"]["tokens_by_model"]["llm"] > 0
     _kv_zero(server)
+
+
+def test_nothing_left_after_stop(server):
+    """The killed stub's instance never finishes unloading (the BLS request that waited on it),
+    so the server exits on its exit timeout without removing that instance's ``/dev/shm``
+    region; the dead stub's reaper removes it once the server is gone.  Every other stub of the
+    server is gone too."""
+    server.seen.note(server)
+    assert server.seen.regions, "no stub regions seen"
+    server.stop()
+    deadline = time.monotonic() + 10
+    left = alive = None
+    while time.monotonic() < deadline:
+        left = [r for r in server.seen.regions if Path("/dev/shm", r).exists()]
+        alive = [p for p in server.seen.pids if Path(f"/proc/{p}/cmdline").exists()
+                 and b"triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        if not left and not alive:
+            break
+        time.sleep(0.5)
+    assert not alive, f"stub processes left: {alive}"
+    assert not left, f"/dev/shm regions left: {left}"

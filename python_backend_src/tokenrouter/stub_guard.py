@@ -157,7 +157,9 @@ def start_reaper(grace_s: float = 10.0) -> Optional[subprocess.Popen]:
     Call it as early as the stub runs this package's code (the backend's ``model.py`` does,
     at import; a stub that hangs before that is not covered).  The reaper is one ``/bin/sh``
     process per stub, in its own session (signals sent to the server's process group do not
-    reach it), reading ``/proc`` once a second; it exits within a second of the stub.
+    reach it), reading ``/proc`` once a second; it exits within a second of the stub, or, when the
+    stub was killed and its region stays (its instance cannot finish unloading), once the region
+    or the server is gone (it then removes the region).
 
     Not started (returns None) where it could not work: this process is not a Triton stub;
     the server is pid 1 (a container whose entrypoint execs tritonserver: when it dies the

@@ -5,13 +5,16 @@
 #
 # SERVER/STUB: pids; *_START: their start times (field 22 of /proc/PID/stat), so that a
 # recycled pid is never taken for either; REGION: the stub's /dev/shm region ("" if none);
-# GRACE: whole seconds.  Once a second it reads the stub's /proc/STUB/stat:
+# GRACE: whole seconds.  Once a second it reads the stub's /proc/STUB/stat (a zombie, killed
+# and not yet reaped, counts as gone):
 #   * the stub is gone: remove its ipc sockets (TMPDIR/tokenrouter-STUB-*, left by a
-#     SIGKILL); when the server is gone too, also what the server left (below); exit;
+#     SIGKILL); while its region is still there and the server alive, wait (a killed
+#     stub's region outlives it until its instance unloads, which may never happen); when
+#     the server is gone, also remove what the server left (below); exit;
 #   * the stub's parent is no longer SERVER (the server died): wait up to GRACE seconds
 #     (polled once a second) for the stub's own clean-up; if it is still there (hung in
-#     the Python backend's C++ code with the GIL held), SIGKILL it, remove its region,
-#     its sockets and the server's files (TMPDIR/tokenrouter-SERVER-*: adverts and locks;
+#     the Python backend's C++ code with the GIL held), SIGKILL it; either way remove its
+#     region, its sockets and the server's files (TMPDIR/tokenrouter-SERVER-*: adverts and locks;
 #     tokenrouter-lockstep-SERVER-* turn files in /dev/shm or TMPDIR); exit.
 set -f
 trap '' INT TERM HUP
@@ -22,10 +25,10 @@ probe() {
     read -r line < "/proc/$1/stat" 2>/dev/null || return 1
     line=${line##*) }
     set -- $line
-    ppid=$2 start=${20}
+    state=$1 ppid=$2 start=${20}
 }
-stub_alive() { probe "$me" && [ "$start" = "$born" ]; }
-server_alive() { probe "$s" && [ "$start" = "$s_born" ]; }
+stub_alive() { probe "$me" && [ "$start" = "$born" ] && [ "$state" != Z ]; }
+server_alive() { probe "$s" && [ "$start" = "$s_born" ] && [ "$state" != Z ]; }
 server_files() {
     set +f
     [ -n "$region" ] && rm -f "$region"
@@ -35,17 +38,22 @@ server_files() {
 while stub_alive && [ "$ppid" = "$s" ]; do sleep 1 || exit 1; done
 if ! stub_alive; then
     (set +f; rm -f "$tmp/tokenrouter-$me-"*)
+    # A stub that was unloaded has its region removed by the server at once.  A killed
+    # stub's region stays while its instance cannot finish unloading (a BLS request still
+    # waits on it), and a server that then exits on its exit timeout never removes it:
+    # watch until the region is gone or the server is.
+    while [ -n "$region" ] && [ -e "$region" ] && server_alive; do sleep 1 || exit 1; done
     server_alive || server_files
     exit 0
 fi
 # the grace period, polled: a stub that cleans up and exits frees its reaper at once
 i=0
 while [ "$i" -lt "$grace" ]; do
-    stub_alive || exit 0
+    stub_alive || { server_files; exit 0; }
     sleep 1 || exit 1
     i=$((i + 1))
 done
-stub_alive || exit 0
+stub_alive || { server_files; exit 0; }
 kill -9 "$me"
 (set +f; rm -f "$tmp/tokenrouter-$me-"*)
 server_files
