@@ -29,39 +29,49 @@ MODEL = "token_router"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def frontend(triton_server, tmp_path_factory):
-    """``python -m tokenrouter.openai_frontend`` on a free port; yields its base URL (``http://…:port``)."""
+def _start_frontend(triton_server, log, *extra: str):
+    """Start ``python -m tokenrouter.openai_frontend`` on a free port; return (process, base URL)
+    once it is healthy."""
     port = free_ports(1)[0]
-    log = tmp_path_factory.mktemp("openai_frontend") / "frontend.log"
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tokenrouter.openai_frontend", "--triton-url", triton_server.grpc_url,
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra],
             stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"front end exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"front end not healthy after 120 s:\n{log.read_text()}")
+        time.sleep(0.3)
+
+
+def _stop(proc) -> None:
+    proc.send_signal(signal.SIGINT)
     try:
-        deadline = time.time() + 120
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"front end exited with {proc.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"front end not healthy after 120 s:\n{log.read_text()}")
-            time.sleep(0.3)
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def frontend(triton_server, tmp_path_factory):
+    """``python -m tokenrouter.openai_frontend`` on a free port; yields its base URL (``http://…:port``)."""
+    proc, base = _start_frontend(triton_server, tmp_path_factory.mktemp("openai_frontend") / "frontend.log")
+    try:
         yield base
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        _stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -245,6 +255,60 @@ def test_client_cancel_frees_kv(client, frontend, triton_server):
         sock.close()
     st = wait_kv_released(triton_server)
     assert all(v["kv_tokens_in_use"] == 0 and v["active"] == 0 for v in st.values()), st
+
+
+def test_shutdown_ends_running_requests_after_the_grace(triton_server, tmp_path):
+    """SIGINT: requests still running after ``--graceful-shutdown-s`` end with "server is shutting
+    down" (a stream: an error event, then ``[DONE]``; a plain request: 503), their router requests
+    are cancelled (KV back to 0), and the front end exits 0."""
+    import http.client
+    import threading
+
+    log = tmp_path / "frontend.log"
+    proc, base = _start_frontend(triton_server, log, "--graceful-shutdown-s", "1")
+    host, port = base.rsplit("//", 1)[1].split(":")
+    try:
+        events, plain = [], {}
+
+        def stream():
+            c = http.client.HTTPConnection(host, int(port), timeout=300)
+            c.request("POST", "/v1/chat/completions", json.dumps({
+                "model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}],
+                "max_tokens": 400, "ignore_eos": True, "stream": True}), {"Content-Type": "application/json"})
+            for line in c.getresponse():
+                if line.startswith(b"data: "):
+                    events.append(line[6:].strip().decode())
+
+        def request():
+            c = http.client.HTTPConnection(host, int(port), timeout=300)
+            c.request("POST", "/v1/completions", json.dumps({
+                "model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True}),
+                {"Content-Type": "application/json"})
+            r = c.getresponse()
+            plain.update(status=r.status, body=json.loads(r.read()))
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (stream, request)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 120
+        while len(events) < 4 or sum(model_stats(triton_server, m)["active"] for m in ("slm", "llm")) < 2:
+            assert time.time() < deadline, ("the requests never ran", events)
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        for t in threads:
+            t.join(120)
+        assert proc.wait(60) == 0, log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert events[-1] == "[DONE]", events[-3:]
+    err = json.loads(events[-2])["error"]
+    assert err["message"] == "server is shutting down" and err["code"] == "server_shutting_down", err
+    assert not any('"finish_reason": "length"' in e for e in events), "the stream ran to its end"
+    assert plain["status"] == 503 and plain["body"]["error"]["message"] == "server is shutting down", plain
+    st = wait_kv_released(triton_server)
+    assert all(v["kv_tokens_in_use"] == 0 and v["active"] == 0 for v in st.values()), st
+    assert "Traceback" not in log.read_text(), log.read_text()
 
 
 # ----------------------------------------------------------------------------- LiteLLM

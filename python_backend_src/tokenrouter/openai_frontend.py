@@ -104,6 +104,13 @@ class _ClientGone(Exception):
     """The HTTP client disconnected while its request was running."""
 
 
+class _ServerDraining(Exception):
+    """The front end is shutting down and the request's grace period is over."""
+
+
+SHUTTING_DOWN = "server is shutting down"
+
+
 #: substrings of the router's messages for bad input (its ClientError texts); anything
 #: else from the router is a server-side failure
 _CLIENT_ERROR_HINTS = ("context length", "parameters.", "sampling_parameters", "text_input", "unknown keys",
@@ -510,6 +517,18 @@ class _State:
     tokenizer_lock: Optional[asyncio.Lock] = None
     tokenizer_path: Optional[str] = None
     created: int = field(default_factory=lambda: int(time.time()))
+    loop: Optional[asyncio.AbstractEventLoop] = None
+    draining: Optional[asyncio.Event] = None  # set: requests still running end with SHUTTING_DOWN
+
+    def drain(self, grace_s: float) -> None:
+        """Begin the shutdown: requests still running after ``grace_s`` seconds end with a
+        "server is shutting down" error (streams: an error event and ``[DONE]``; others: 503),
+        and their Triton requests are cancelled.  Safe from any thread, a signal handler
+        included; a no-op before the application started."""
+        if self.loop is None or self.draining is None:
+            return
+        draining = self.draining
+        self.loop.call_soon_threadsafe(lambda: self.loop.call_later(max(0.0, grace_s), draining.set))
 
 
 def create_app(triton_url: str, *, model: str = "token_router", served_model_name: Optional[str] = None,
@@ -531,6 +550,7 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
     async def lifespan(_app: FastAPI):
         st.backend = TritonBackend(triton_url, model)
         st.tokenizer_lock = asyncio.Lock()
+        st.loop, st.draining = asyncio.get_running_loop(), asyncio.Event()
         try:
             yield
         finally:
@@ -647,7 +667,7 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
         created = int(time.time())
         trace = bool(body.return_routing_trace)
         gen = st.backend.generate(prompt, sp, stream=bool(body.stream), trace=trace, request_id=rid)
-        watcher = asyncio.ensure_future(_wait_disconnect(request))
+        watcher = asyncio.ensure_future(_watch(request, st.draining))
         try:
             first = await _race(gen.__anext__(), watcher)
         except BackendError as e:
@@ -657,6 +677,9 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
         except _ClientGone:
             await gen.aclose()
             return JSONResponse({}, status_code=499)
+        except _ServerDraining:
+            await gen.aclose()
+            return OpenAIError(503, SHUTTING_DOWN, type="server_error", code="server_shutting_down").response()
         except BaseException:
             watcher.cancel()
             await gen.aclose()
@@ -681,11 +704,26 @@ async def _wait_disconnect(request: Request) -> None:
             return
 
 
+async def _watch(request: Request, draining: Optional[asyncio.Event]) -> str:
+    """Return ``"gone"`` when the HTTP client disconnects, ``"drain"`` when the front end's
+    shutdown grace period is over (``draining`` set), whichever comes first."""
+    waits = [asyncio.ensure_future(_wait_disconnect(request))]
+    if draining is not None:
+        waits.append(asyncio.ensure_future(draining.wait()))
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+    return "gone" if waits[0] in done else "drain"
+
+
 async def _race(aw, watcher: "asyncio.Future") -> Any:
-    """Await ``aw`` unless ``watcher`` (client disconnect) finishes first; then cancel ``aw``.
+    """Await ``aw`` unless ``watcher`` (:func:`_watch`) finishes first; then cancel ``aw``.
 
     Raises:
         _ClientGone: the client disconnected first.
+        _ServerDraining: the front end's shutdown grace period ended first.
     """
     fut = asyncio.ensure_future(aw)
     try:
@@ -698,6 +736,8 @@ async def _race(aw, watcher: "asyncio.Future") -> Any:
         return fut.result()
     fut.cancel()
     await asyncio.wait({fut})
+    if watcher.done() and not watcher.cancelled() and watcher.result() == "drain":
+        raise _ServerDraining()
     raise _ClientGone()
 
 
@@ -765,6 +805,10 @@ async def _sse(rid: str, created: int, served: str, first: GenerationOutput, gen
             except BackendError as e:
                 yield _sse_event(_backend_error(str(e)).body())
                 break
+            except _ServerDraining:
+                yield _sse_event(OpenAIError(503, SHUTTING_DOWN, type="server_error",
+                                             code="server_shutting_down").body())
+                break
         yield "data: [DONE]\n\n"
     except _ClientGone:
         pass
@@ -805,19 +849,37 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--tokenizer", default=None,
                     help="checkpoint folder with the chat template (default: the model's tokenizer_path)")
     ap.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    ap.add_argument("--graceful-shutdown-s", type=float, default=5.0,
+                    help="on SIGINT/SIGTERM, seconds in-flight requests may still run; then they end "
+                         "with a 'server is shutting down' error (streams: an error event and [DONE]) "
+                         "and their Triton requests are cancelled; default 5")
     ap.add_argument("--exit-with-pid", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if not 0 < a.port < 65536:
         ap.error(f"--port must be 1-65535, got {a.port}")
+    if not a.graceful_shutdown_s >= 0:
+        ap.error(f"--graceful-shutdown-s must be >= 0, got {a.graceful_shutdown_s}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     import uvicorn
 
     app = create_app(a.triton_url, model=a.model, served_model_name=a.served_model_name, tokenizer_path=a.tokenizer)
-    server = uvicorn.Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level))
+    st: _State = app.state.tokenrouter
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGINT / SIGTERM: in-flight requests get the grace
+            st.drain(a.graceful_shutdown_s)
+            super().handle_exit(sig, frame)
+
+    # uvicorn's own timeout is the backstop: it cancels whatever still runs 2 s after the grace
+    server = _Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                                    timeout_graceful_shutdown=a.graceful_shutdown_s + 2.0))
     if a.exit_with_pid:
         _exit_with(a.exit_with_pid, server)
-    server.run()
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled, once it has shut down
+        pass
     return 0 if server.started else 1
 
 
