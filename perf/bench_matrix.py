@@ -133,13 +133,14 @@ def _read_slice(path: str, start: int) -> List[str]:
 
 
 def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str,
-                       calibration: Optional[str] = None) -> Dict[str, Any]:
+                       calibration: Optional[str] = None, wait_us: Optional[int] = None) -> Dict[str, Any]:
     """Profile the run's routing events and solve the DTMC for every model's threshold.
 
     Runs ``python -m scheduler_model profile`` (with ``--calibration`` when a calibration file
     from :func:`calibrate_server` is given: the step-latency fit then spans its batch sizes)
     then ``solve --json`` (a 5 ms quantum keeps the exact chain small for CPU step times of
-    50-300 ms).
+    50-300 ms), with ``--max-wait-us`` for every model when ``wait_us`` (the wait bound the
+    server will run with, µs) is given: the chain then models the bound's timer.
 
     Returns:
         the solver's JSON (``B_star`` {model: B}, ``table``, ``throughput_tokens_per_s``, …) plus
@@ -164,8 +165,9 @@ def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str,
                 "note": made.stderr.strip()}
     with open(prof) as f:
         profile = json.load(f)
-    out = subprocess.run([py, "-m", "scheduler_model", "solve", "--profile", prof, "--json", "--quantum-s", "0.005"],
-                         check=True, cwd=ROOT, capture_output=True, text=True)
+    wait = ["--max-wait-us", ",".join(f"{m}={int(wait_us)}" for m in MODELS)] if wait_us is not None else []
+    out = subprocess.run([py, "-m", "scheduler_model", "solve", "--profile", prof, "--json", "--quantum-s", "0.005"]
+                         + wait, check=True, cwd=ROOT, capture_output=True, text=True)
     res = json.loads(out.stdout)
     res["profile"] = profile
     return res
@@ -460,8 +462,8 @@ def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], t
                             start = {m: _events_size(events[m]) for m in MODELS}
                             eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-                            bstar = b_star_from_events(lines, N, work, calib)
                             wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
+                            bstar = b_star_from_events(lines, N, work, calib, wait_us)
                             eager_row = {"pair": pair, "mode": "eager-async", "N": N, "max_tokens": L, **eager}
                         B = {**bstar["B_star"], **args.batch_override} if mode == "tokenrouter" else None
                         if mode == "tokenrouter" and eager_row is not None and all(B[m] == 1 for m in MODELS):
@@ -484,8 +486,8 @@ def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], t
                             eager_row = row
                         if mode == "eager-async" and "tokenrouter" in args.modes and rep == 0:
                             lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-                            bstar = b_star_from_events(lines, N, work, calib)
                             wait_us = wait_bound_us(row["model_stats"], args.wait_factor)
+                            bstar = b_star_from_events(lines, N, work, calib, wait_us)
                         if mode == "tokenrouter":
                             row["B_star"] = B
                             row["B_dtmc"] = bstar["B_star"]

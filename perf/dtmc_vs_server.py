@@ -28,7 +28,9 @@ requests back to back for the whole N (``perf/loadgen.py`` steady state):
 
 Delayed batching uses a wait bound of ``--wait-factor`` × the SLM's mean step
 time in the eager run, the same rule as ``bench_matrix.py``'s tokenrouter mode,
-at every sweep point.
+at every sweep point; the DTMC models that bound (``solve --max-wait-us``), so its
+predicted throughput at a large B is the bounded wait's, not a wait for B
+requests however long it takes.
 
 Run time here (2 cores, defaults: 32 tokens, 12 s per point): grid
 1,2,3,4,6,8,12,16,24,32 up to N gives 3 + 7 + 11 + 19 measured points plus 4
@@ -97,8 +99,8 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
     eager = load.measure(args.duration, args.windows, probe=probe, since=load.t_started)
     lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
     eager_s = window_summary(load.snapshot(), eager["bounds"], probes=eager["probes"])
-    sol = b_star_from_events(lines, N, out_dir, calibration)
     wait_us = wait_bound_us(_stats_delta(eager["probes"][0], eager["probes"][-1]), args.wait_factor)
+    sol = b_star_from_events(lines, N, out_dir, calibration, wait_us)
     star = {m: int(sol["B_star"][m]) for m in MODELS}
     predicted = {_key(r["B"]): r.get("throughput_tokens_per_s") for r in sol.get("table", []) if "B" in r}
     print(f"N={N}: eager {eager_s['throughput_tok_s']:.2f} tok/s; DTMC B* = {_fmt_B(star)} "

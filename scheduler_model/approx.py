@@ -32,7 +32,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from .dtmc import check_feasible
+from .dtmc import check_feasible, wait_quanta
 from .system import System
 
 
@@ -45,10 +45,12 @@ class CRNSimulator:
         seed: seed of the shared uniform streams.
         stream_length: length of each model's routing stream (wraps around).
         start_model: model holding every request initially.
+        max_wait_s: None, or per model None or the server's wait bound in seconds: the chain's
+            timer rule (:mod:`scheduler_model.dtmc`, ``w_i``), for the candidates with B_i > 1.
     """
 
     def __init__(self, system: System, Bs: np.ndarray, *, seed: int = 0, stream_length: int = 1 << 21,
-                 start_model: int = 0) -> None:
+                 start_model: int = 0, max_wait_s: Optional[Sequence[Optional[float]]] = None) -> None:
         self.system = system
         Bs = np.asarray(Bs, dtype=np.int64)
         M, N = system.M, system.N
@@ -74,6 +76,10 @@ class CRNSimulator:
         # model-major (M, n) layout: every per-model row is contiguous
         # int32 state (halves memory traffic); time stays int64
         self.B = np.ascontiguousarray(Bs.T).astype(np.int32)
+        # W_i in quanta per candidate, −1 where unbounded or B_i = 1 (dtmc.wait_quanta's rule)
+        self.W = np.stack([wait_quanta(system, row, max_wait_s, q.quantum_s) for row in Bs], axis=1) \
+            .astype(np.int32) if n else np.zeros((M, 0), dtype=np.int32)
+        self.w = np.zeros((M, n), dtype=np.int32)
         self.k = np.zeros((M, n), dtype=np.int32)
         self.k[start_model] = N
         self.b = np.zeros((M, n), dtype=np.int32)
@@ -88,15 +94,17 @@ class CRNSimulator:
 
     def _start_all(self) -> None:
         for i in range(self.system.M):
-            st = (self.b[i] == 0) & (self.k[i] >= self.B[i])
+            idle = self.b[i] == 0
+            st = idle & ((self.k[i] >= self.B[i]) | ((self.W[i] >= 0) & (self.k[i] > 0) & (self.w[i] >= self.W[i])))
             nb = np.minimum(self.k[i], self.cap[i])
             self.b[i] = np.where(st, nb, self.b[i])
             self.k[i] = np.where(st, self.k[i] - nb, self.k[i])
             self.r[i] = np.where(st, self.d[i][nb], self.r[i])
+            self.w[i] = np.where(self.k[i] > 0, self.w[i], 0)
 
     def select(self, rows: np.ndarray) -> None:
         """Keep only candidates ``rows`` (state arrays are sliced; streams are shared)."""
-        for name in ("B", "k", "b", "r", "pos"):
+        for name in ("B", "W", "w", "k", "b", "r", "pos"):
             setattr(self, name, np.ascontiguousarray(getattr(self, name)[:, rows]))
         for name in ("t", "tokens", "t0", "tokens0"):
             setattr(self, name, getattr(self, name)[rows])
@@ -107,16 +115,24 @@ class CRNSimulator:
         self.tokens0 = self.tokens.copy()
 
     def run(self, events: int) -> None:
-        """Advance every candidate by ``events`` completion instants."""
+        """Advance every candidate by ``events`` embedded instants (completions and, with a wait
+        bound, its expiries)."""
         M = self.system.M
         big = np.int32(np.iinfo(np.int32).max)
         L = self.L
+        timers = bool((self.W >= 0).any())
         for _ in range(int(events)):
             b, r = self.b, self.r
             running = b > 0
             delta = np.where(running[0], r[0], big)
             for i in range(1, M):
                 np.minimum(delta, np.where(running[i], r[i], big), out=delta)
+            if timers:
+                timed = ~running & (self.k > 0) & (self.W >= 0)
+                for i in range(M):
+                    np.minimum(delta, np.where(timed[i], self.W[i] - self.w[i], big), out=delta)
+                aged = (self.k > 0) & (self.W >= 0)  # before this instant's arrivals join
+                self.w = np.where(aged, np.minimum(self.w + delta, np.maximum(self.W, 0)), 0).astype(np.int32)
             self.t += delta
             fin = running & (r == delta)
             self.r = np.where(running & ~fin, r - delta, 0)
@@ -151,7 +167,8 @@ def crn_race(system: System, candidates: Optional[Sequence[Sequence[int]]] = Non
              warmup_events: Optional[int] = None, first_events: int = 100, growth: float = 3.0,
              keep_fraction: float = 0.125, keep_min: int = 4, final_max: int = 16, final_events: int = 6000,
              round_budget: int = 1_000_000,
-             reestimate_events: Optional[int] = None):
+             reestimate_events: Optional[int] = None,
+             max_wait_s: Optional[Sequence[Optional[float]]] = None):
     """Simulation-based B* search with common random numbers (module docstring).
 
     Args:
@@ -168,6 +185,8 @@ def crn_race(system: System, candidates: Optional[Sequence[Sequence[int]]] = Non
             streams (seed + 1) of this many events (default 2 × final_events), which removes
             the upward selection bias of the racing estimate ("winner's curse"); 0 keeps the
             racing estimate.
+        max_wait_s: the server's wait bound per model in seconds (None: the paper's rule);
+            :class:`CRNSimulator`.
     Returns:
         :class:`scheduler_model.search.SearchResult` with method "crn-racing"; its table lists every
         candidate with the estimate of the last round it ran and the events it ran ("events").
@@ -178,13 +197,13 @@ def crn_race(system: System, candidates: Optional[Sequence[Sequence[int]]] = Non
 
     t_start = time.perf_counter()
     if candidates is None:
-        cands = np.asarray(list(feasible_thresholds(system)), dtype=np.int64)
+        cands = np.asarray(list(feasible_thresholds(system, max_wait_s=max_wait_s)), dtype=np.int64)
     else:
-        cands = np.asarray([check_feasible(system, B) for B in candidates], dtype=np.int64)
+        cands = np.asarray([check_feasible(system, B, max_wait_s) for B in candidates], dtype=np.int64)
     n = cands.shape[0]
     warm = int(100 + system.N if warmup_events is None else warmup_events)
     # every request-step consumes one uniform; bound the stream by the total request-steps
-    sim = CRNSimulator(system, cands, seed=seed,
+    sim = CRNSimulator(system, cands, seed=seed, max_wait_s=max_wait_s,
                        stream_length=int(min(1 << 21, max(1 << 14, system.N * (warm + final_events * 2)))))
     sim.run(warm)
     sim.mark()
@@ -217,7 +236,7 @@ def crn_race(system: System, candidates: Optional[Sequence[Sequence[int]]] = Non
     se = 0.0  # unknown when the racing estimate is kept (reestimate_events=0)
     re_ev = 2 * final_events if reestimate_events is None else int(reestimate_events)
     if re_ev > 0:
-        fresh = CRNSimulator(system, cands[best][None, :], seed=seed + 1,
+        fresh = CRNSimulator(system, cands[best][None, :], seed=seed + 1, max_wait_s=max_wait_s,
                              stream_length=int(min(1 << 21, max(1 << 14, system.N * (warm + re_ev)))))
         fresh.run(warm)
         fresh.mark()

@@ -1,7 +1,8 @@
 """Command line: ``python -m scheduler_model {solve,profile,simulate} …``.
 
 * ``solve --profile PROFILE.json [--json] [--write-config MODEL_REPOSITORY] [--method auto|exact|crn-racing]
-  [--max-states N] [--time-budget-s S] [--seed S] [--min-gain G] [--quantum-s Q]``
+  [--max-states N] [--time-budget-s S] [--seed S] [--min-gain G] [--quantum-s Q]
+  [--max-wait-us slm=5000,llm=85000]``
   B* search (``--min-gain``, default 0.02: among B predicted within that relative gain of the
   best, the one with the least waiting; :mod:`scheduler_model.search`); ``--json`` prints ``{"B_star", "throughput_tokens_per_s", "method", "states", "table", …}``,
   otherwise a readable table. ``--write-config`` writes B* into each model's config.pbtxt
@@ -10,7 +11,9 @@
   ``--calibration CALIB.json`` refits the calibrated models' step latency first
   (:func:`scheduler_model.calibrate.apply_calibration`); ``--concurrency N`` overrides N. The
   JSON also carries ``concurrency`` and ``step_latency_s`` {model: [L̄(1), …, L̄(max batch)]}
-  (s), the latencies the search used.
+  (s), the latencies the search used. ``--max-wait-us`` models the server's wait bound
+  (``delayed_batch_max_wait_us``) in the chain and the racing simulator, and
+  ``--write-config`` then writes that bound for the models with B*_i > 1.
 * ``profile --events EVENTS.jsonl --models slm,llm --concurrency N [--calibration CALIB.json]
   [-o PROFILE.json]`` converts a routing event log to a profile (:mod:`scheduler_model.profile`),
   with the step-latency model fitted to the events' steps and the calibration's.
@@ -75,6 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration", metavar="CALIB.json",
                    help="refit the calibrated models' step latency to this calibration (calibrate's output)")
     s.add_argument("--concurrency", type=int, default=None, help="override the profile's concurrency N")
+    s.add_argument("--max-wait-us", type=_parse_thresholds, default=None,
+                   help="the server's delayed_batch_max_wait_us per model, e.g. slm=5000,llm=85000: an idle "
+                        "model starts a batch once its oldest request waited this long (default: no bound, "
+                        "the paper's chain); a coarser --quantum-s (e.g. 0.001) keeps the chains small")
 
     p = sub.add_parser("profile", help="convert a routing event log to PROFILE.json")
     p.add_argument("--events", required=True, help="EVENTS.jsonl")
@@ -101,14 +108,31 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--events", type=int, default=100_000, help="completion events to simulate")
     m.add_argument("--seed", type=int, default=0)
     m.add_argument("--max-wait-us", type=_parse_thresholds, default=None,
-                   help="the server's delayed_batch_max_wait_us per model, e.g. slm=5000,llm=20000 "
-                        "(not in the DTMC)")
+                   help="the server's delayed_batch_max_wait_us per model, e.g. slm=5000,llm=20000")
     m.add_argument("--json", action="store_true")
     return ap
 
 
 def _fmt_B(B: dict) -> str:
     return ",".join(f"{k}={v}" for k, v in B.items())
+
+
+def _wait_s(system, given: Optional[dict]) -> Optional[List[Optional[float]]]:
+    """--max-wait-us {model: µs} as per-model seconds (None where not given), or None.
+
+    Raises:
+        ProfileError: unknown model names or negative values.
+    """
+    from .errors import ProfileError
+
+    if not given:
+        return None
+    unknown = set(given) - set(system.models)
+    if unknown:
+        raise ProfileError(f"--max-wait-us names unknown models {sorted(unknown)}")
+    if any(v < 0 for v in given.values()):
+        raise ProfileError(f"--max-wait-us values must be >= 0, got {given}")
+    return [given[m] / 1e6 if m in given else None for m in system.models]
 
 
 def cmd_solve(args: argparse.Namespace) -> int:
@@ -130,14 +154,19 @@ def cmd_solve(args: argparse.Namespace) -> int:
 
         prof = apply_calibration(prof, load_calibration(args.calibration))
     system = System.from_profile(prof)
+    wait_s = _wait_s(system, args.max_wait_us)
     res = find_B_star(system, method=args.method, max_states=args.max_states,
-                      time_budget_s=args.time_budget_s, seed=args.seed, min_gain=args.min_gain)
+                      time_budget_s=args.time_budget_s, seed=args.seed, min_gain=args.min_gain,
+                      max_wait_s=wait_s)
     out = res.to_json()
     out["concurrency"] = system.N
     out["step_latency_s"] = {m: [round(system.latency_s(i, b), 6) for b in range(1, system.max_batch[i] + 1)]
                              for i, m in enumerate(system.models)}
     if args.write_config:
         wait = config_writer.max_wait_us(system, res.B_star, res.throughput_tokens_per_s)
+        for m, w in zip(system.models, wait_s or []):
+            if w is not None and res.B_star[m] > 1:
+                wait[m] = int(args.max_wait_us[m])  # the bound the search modelled
         msgs = config_writer.write_configs(args.write_config, res.B_star, wait, transport=args.transport)
         out["max_queue_delay_us"] = wait
         out["config_changes"] = msgs
@@ -217,13 +246,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from .system import System
 
     system = System.from_profile(load_profile(args.profile))
-    wait = None
-    if args.max_wait_us:
-        unknown = set(args.max_wait_us) - set(system.models)
-        if unknown:
-            print(f"error: --max-wait-us names unknown models {sorted(unknown)}", file=sys.stderr)
-            return 2
-        wait = [args.max_wait_us[m] / 1e6 if m in args.max_wait_us else None for m in system.models]
+    wait = _wait_s(system, args.max_wait_us)
     res = simulate(system, args.thresholds, events=args.events, seed=args.seed, max_wait_s=wait)
     if args.json:
         print(json.dumps(res.to_json(), indent=2))

@@ -2,22 +2,35 @@
 
 Follows the TokenRouter paper, section "DTMC for B*" (design of delayed batching).
 
-State (embedded at batch-completion instants, taken right after the models that may start a
-batch have started it)::
+State (embedded at batch-completion instants and wait-bound expiries, taken right after the
+models that may start a batch have started it)::
 
-    s = (k_0, …, k_{M-1}, b_0, …, b_{M-1}, r_0, …, r_{M-1})
+    s = (k_0, …, k_{M-1}, b_0, …, b_{M-1}, r_0, …, r_{M-1}, w_0, …, w_{M-1})
 
 k_i = requests queued at model i, b_i = size of its running batch (0 = idle), r_i = quanta left
-until that batch completes (0 when idle). Σ_i (k_i + b_i) = N.
+until that batch completes (0 when idle), w_i = quanta the oldest of the k_i queued requests has
+waited, capped at W_i (0 when k_i = 0). Σ_i (k_i + b_i) = N.
+
+The wait bound W_i (quanta; the server's ``delayed_batch_max_wait_us``, optional, not in the
+paper's chain): an idle model also starts a batch once its oldest queued request has waited
+W_i, whatever k_i. Without a bound (the paper's chain), or with B_i = 1 (a batch starts the
+moment a request is queued at an idle model, so the timer never decides), w_i is held at 0.
 
 One transition from s:
 
-1. Δ(s) = min_{i: b_i>0} r_i quanta pass (the sojourn); A(s) = {i : b_i > 0, r_i = Δ(s)} complete.
+1. Δ(s) = min( min_{i: b_i>0} r_i , min_{i: b_i=0, k_i>0, W_i bounded} (W_i − w_i) ) quanta pass
+   (the sojourn); A(s) = {i : b_i > 0, r_i = Δ(s)} complete.
 2. Every request of a completing batch i moves independently to j with probability p_ij and
    commits c_ij tokens, so the arrivals from i are Multinomial(b_i, p_i·); batches of several
-   completing models are convolved.
-3. Running models keep r_i − Δ(s). Every idle model with k_i ≥ B_i starts a batch
-   b_i = min(k_i, max_batch_i), k_i −= b_i, r_i = d_i(b_i).
+   completing models are convolved. Arrivals join the queues at the end of the sojourn (age 0).
+3. Running models keep r_i − Δ(s); w_i += Δ(s) (capped at W_i) where k_i > 0 before the
+   arrivals, else w_i = 0. Every idle model with k_i ≥ B_i, or with k_i > 0 and w_i ≥ W_i, starts
+   a batch b_i = min(k_i, max_batch_i), k_i −= b_i, r_i = d_i(b_i), and w_i = 0 if its queue is
+   empty (else w_i is kept: an upper bound on the age of the oldest request left, when k_i
+   exceeded max_batch_i).
+
+This is the rule of :func:`scheduler_model.simulate.simulate` with ``max_wait_s``, whose
+geometric-run estimate the exact chain reproduces (tests/test_scheduler_dtmc.py).
 
 Reward and sojourn of a state (tokens and quanta)::
 
@@ -27,8 +40,10 @@ and by the renewal-reward theorem the long-run throughput in tokens/s is (paper'
 
     T(B) = Σ_s π(s) R(s) / (δ · Σ_s π(s) τ(s))
 
-with π the stationary distribution of the embedded chain. Feasibility (no deadlock): a state
-with every model idle needs k_i ≤ B_i − 1 for all i, impossible iff Σ_i (B_i − 1) < N.
+with π the stationary distribution of the embedded chain; a wait-bound expiry with no completion
+adds its sojourn and no reward. Feasibility (no deadlock): a state with every model idle needs
+k_i ≤ B_i − 1 for all i, impossible iff Σ_i (B_i − 1) < N; with wait bounds only the models
+without one count (:func:`check_feasible`).
 
 Chain construction: level-synchronous breadth-first search, vectorised in numpy; states are
 encoded as mixed-radix int64 keys. π: strongly connected components
@@ -73,16 +88,35 @@ class PeriodicChainWarning(UserWarning):
 
 
 # ---------------------------------------------------------------------------- feasibility
-def check_feasible(system: System, B: Sequence[int]) -> np.ndarray:
+def unbounded(system: System, max_wait_s: Optional[Sequence[Optional[float]]]) -> np.ndarray:
+    """(M,) bool: the models without a wait bound (all of them when ``max_wait_s`` is None).
+
+    Raises:
+        InfeasibleThresholdsError: ``max_wait_s`` has the wrong length.
+    """
+    if max_wait_s is None:
+        return np.ones(system.M, dtype=bool)
+    if len(max_wait_s) != system.M:
+        raise InfeasibleThresholdsError(f"max_wait_s needs one entry (or None) per model, got {len(max_wait_s)}")
+    return np.asarray([w is None for w in max_wait_s], dtype=bool)
+
+
+def check_feasible(system: System, B: Sequence[int],
+                   max_wait_s: Optional[Sequence[Optional[float]]] = None) -> np.ndarray:
     """Validate thresholds B against the paper's feasibility condition Σ_i (B_i − 1) < N.
+
+    With a wait bound (``max_wait_s``, :func:`build_chain`) a bounded model never holds a queue
+    forever, so only the models without one count: Σ_{i unbounded} (B_i − 1) < N (a deadlock
+    needs all N requests queued below threshold at idle unbounded models).
 
     Args:
         system: the modelled system.
         B: (M,) ints or {model: B_i}.
+        max_wait_s: None, or per model None or its wait bound in seconds.
     Returns:
         (M,) int64 array of B.
     Raises:
-        InfeasibleThresholdsError: some B_i < 1, B_i > max_batch_i, or Σ (B_i − 1) ≥ N.
+        InfeasibleThresholdsError: some B_i < 1, B_i > max_batch_i, or that sum ≥ N.
     """
     Bv = system.thresholds_vector(B)
     if np.any(Bv < 1):
@@ -92,10 +126,12 @@ def check_feasible(system: System, B: Sequence[int]) -> np.ndarray:
         raise InfeasibleThresholdsError(
             f"threshold above max batch size: B={Bv.tolist()}, max_batch={cap.tolist()} "
             "(a model could never start a batch)")
-    if int(np.sum(Bv - 1)) >= system.N:
+    free = unbounded(system, max_wait_s)
+    if int(np.sum((Bv - 1)[free])) >= system.N:
+        which = "" if free.all() else " over the models without a wait bound"
         raise InfeasibleThresholdsError(
-            f"infeasible thresholds B={Bv.tolist()}: sum(B_i - 1) = {int(np.sum(Bv - 1))} >= N = {system.N} "
-            "(the state with every queue just below its threshold deadlocks)")
+            f"infeasible thresholds B={Bv.tolist()}: sum(B_i - 1){which} = {int(np.sum((Bv - 1)[free]))} "
+            f">= N = {system.N} (the state with every queue just below its threshold deadlocks)")
     return Bv
 
 
@@ -163,13 +199,15 @@ class Chain:
     Attributes:
         system: the modelled system.
         B: (M,) int64 thresholds.
-        states: (n, 3M) int64 rows (k_0…k_{M-1}, b_0…, r_0…), r in quanta of ``quantum_s``.
+        states: (n, 4M) int64 rows (k_0…k_{M-1}, b_0…, r_0…, w_0…), r and w in quanta of
+            ``quantum_s``.
         P: (n, n) CSR float64 transition matrix (rows sum to 1).
         reward: (n,) float64 R(s), expected tokens committed at the end of the sojourn in s.
         sojourn: (n,) int64 τ(s) in quanta.
         quantum_s: seconds per quantum (after gcd reduction).
         discretisation_error: max relative error of d_i(b)·quantum_s against L_i(b).
         build_seconds: wall time of the construction.
+        wait_quanta: (M,) int64 W_i in quanta; −1 where model i has no wait bound (or B_i = 1).
     """
 
     system: System
@@ -181,6 +219,7 @@ class Chain:
     quantum_s: float
     discretisation_error: float
     build_seconds: float
+    wait_quanta: Optional[np.ndarray] = None
 
     @property
     def n_states(self) -> int:
@@ -193,36 +232,42 @@ class Chain:
         return int(self.P.nnz)
 
 
-def _start_batches(k: np.ndarray, b: np.ndarray, r: np.ndarray, B: np.ndarray, cap: np.ndarray,
-                   d: List[np.ndarray]) -> None:
-    """In place: every idle model with k_i ≥ B_i starts a batch of min(k_i, cap_i)."""
+def _start_batches(k: np.ndarray, b: np.ndarray, r: np.ndarray, w: np.ndarray, B: np.ndarray,
+                   W: np.ndarray, cap: np.ndarray, d: List[np.ndarray]) -> None:
+    """In place: every idle model with k_i ≥ B_i, or with a wait bound (W_i ≥ 0), k_i > 0 and
+    w_i ≥ W_i, starts a batch of min(k_i, cap_i); w_i = 0 where its queue is left empty."""
     for i in range(k.shape[1]):
         st = (b[:, i] == 0) & (k[:, i] >= B[i])
+        if W[i] >= 0:
+            st |= (b[:, i] == 0) & (k[:, i] > 0) & (w[:, i] >= W[i])
         if np.any(st):
             nb = np.minimum(k[st, i], cap[i])
             b[st, i] = nb
             k[st, i] -= nb
             r[st, i] = d[i][nb]
+            w[st, i] = np.where(k[st, i] > 0, w[st, i], 0)
 
 
-def _expand(rows: np.ndarray, M: int, B: np.ndarray, cap: np.ndarray, d: List[np.ndarray],
+def _expand(rows: np.ndarray, M: int, B: np.ndarray, W: np.ndarray, cap: np.ndarray, d: List[np.ndarray],
             tables: List[OutcomeTable], ctok: np.ndarray):
-    """Successors of a block of states.
+    """Successors of a block of states (the transition in the module docstring).
 
-    Returns (src (E,) int64 local row index, nxt (E, 3M) int64, prob (E,), reward (n,), sojourn (n,)).
-    Raises DeadlockError if a state has no running batch.
+    Returns (src (E,) int64 local row index, nxt (E, 4M) int64, prob (E,), reward (n,), sojourn (n,)).
+    Raises DeadlockError if a state has no running batch and no wait bound to expire.
     """
     n = rows.shape[0]
-    k, b, r = rows[:, :M], rows[:, M:2 * M], rows[:, 2 * M:]
+    k, b, r, w = rows[:, :M], rows[:, M:2 * M], rows[:, 2 * M:3 * M], rows[:, 3 * M:]
     running = b > 0
-    dead = ~running.any(axis=1)
+    big = np.iinfo(np.int64).max
+    timed = ~running & (k > 0) & (W >= 0)[None, :]
+    delta = np.minimum(np.where(running, r, big).min(axis=1),
+                       np.where(timed, W[None, :] - w, big).min(axis=1))
+    dead = delta == big
     if np.any(dead):
         s = rows[np.flatnonzero(dead)[0]]
         raise DeadlockError(
             f"deadlock: reachable state with every model idle, queues k={s[:M].tolist()} "
             f"below thresholds B={B.tolist()}")
-    big = np.iinfo(np.int64).max
-    delta = np.where(running, r, big).min(axis=1)
     fin = running & (r == delta[:, None])
     reward = (np.where(fin, b, 0) * ctok[None, :]).sum(axis=1).astype(np.float64)
 
@@ -246,13 +291,44 @@ def _expand(rows: np.ndarray, M: int, B: np.ndarray, cap: np.ndarray, d: List[np
     k2 = k[idx] + arr
     b2 = np.where(still[idx], b[idx], 0)
     r2 = np.where(still[idx], r[idx] - delta[idx, None], 0)
-    _start_batches(k2, b2, r2, B, cap, d)
-    nxt = np.concatenate([k2, b2, r2], axis=1)
+    aged = (k > 0) & (W >= 0)[None, :]
+    w2 = np.where(aged, np.minimum(w + delta[:, None], np.maximum(W, 0)[None, :]), 0)[idx]
+    _start_batches(k2, b2, r2, w2, B, W, cap, d)
+    nxt = np.concatenate([k2, b2, r2, w2], axis=1)
     return idx, nxt, prob, reward, delta
 
 
+def wait_quanta(system: System, B: Sequence[int], max_wait_s: Optional[Sequence[Optional[float]]],
+                quantum_s: float) -> np.ndarray:
+    """W_i in quanta, round(max_wait_s_i / quantum_s) as :func:`scheduler_model.simulate.simulate`
+    rounds it, or −1 where model i has no bound (None) or B_i = 1 (the timer never decides).
+
+    Args:
+        system: the modelled system.
+        B: (M,) thresholds.
+        max_wait_s: None, or per model None or the wait bound in seconds (≥ 0).
+        quantum_s: seconds per quantum of the chain.
+    Raises:
+        InfeasibleThresholdsError: wrong length or a negative / non-finite bound.
+    """
+    W = np.full(system.M, -1, dtype=np.int64)
+    if max_wait_s is None:
+        return W
+    if len(max_wait_s) != system.M:
+        raise InfeasibleThresholdsError(f"max_wait_s needs one entry (or None) per model, got {len(max_wait_s)}")
+    for i, ws in enumerate(max_wait_s):
+        if ws is None:
+            continue
+        if not (math.isfinite(ws) and ws >= 0):
+            raise InfeasibleThresholdsError(f"max_wait_s of {system.models[i]!r} must be >= 0 s, got {ws!r}")
+        if int(B[i]) > 1:
+            W[i] = int(round(ws / quantum_s))
+    return W
+
+
 def build_chain(system: System, B: Sequence[int], *, max_states: int = DEFAULT_MAX_STATES,
-                start_model: int = 0, check: bool = True) -> Chain:
+                start_model: int = 0, check: bool = True,
+                max_wait_s: Optional[Sequence[Optional[float]]] = None) -> Chain:
     """Enumerate the reachable states of the DTMC for thresholds B and its transition matrix.
 
     The initial state has all N requests queued at ``start_model`` (then the start rule applies);
@@ -264,21 +340,27 @@ def build_chain(system: System, B: Sequence[int], *, max_states: int = DEFAULT_M
         max_states: raise StateSpaceTooLargeError beyond this many reachable states.
         start_model: index of the model holding every request initially.
         check: check feasibility first (``False`` only to exercise deadlock detection).
+        max_wait_s: None (the paper's chain), or per model None or the server's wait bound in
+            seconds (``delayed_batch_max_wait_us`` / 1e6), rounded to quanta (:func:`wait_quanta`).
+            Each bounded model with B_i > 1 multiplies the state space by up to W_i + 1; a
+            coarser ``system.quantum_s`` keeps it small.
     Returns:
         :class:`Chain`.
     Raises:
         InfeasibleThresholdsError, DeadlockError, StateSpaceTooLargeError.
     """
     t0 = time.perf_counter()
-    Bv = check_feasible(system, B) if check else system.thresholds_vector(B)
+    Bv = check_feasible(system, B, max_wait_s) if check else system.thresholds_vector(B)
     M, N = system.M, system.N
     q = system.quanta()
     d = q.d
+    Wq = wait_quanta(system, Bv, max_wait_s, q.quantum_s)
     cap = np.asarray(system.max_batch, dtype=np.int64)
     ctok = system.expected_tokens_per_request_step()
     tables = [outcome_table(system.P[i], int(cap[i])) for i in range(M)]
 
-    radix = [N + 1] * M + [int(c) + 1 for c in cap] + [int(di.max()) + 1 for di in d]
+    radix = ([N + 1] * M + [int(c) + 1 for c in cap] + [int(di.max()) + 1 for di in d]
+             + [max(int(x), 0) + 1 for x in Wq])
     mult = []
     acc = 1
     for rad in radix:
@@ -295,8 +377,9 @@ def build_chain(system: System, B: Sequence[int], *, max_states: int = DEFAULT_M
     k0[0, start_model] = N
     b0 = np.zeros((1, M), dtype=np.int64)
     r0 = np.zeros((1, M), dtype=np.int64)
-    _start_batches(k0, b0, r0, Bv, cap, d)
-    init = np.concatenate([k0, b0, r0], axis=1)
+    w0 = np.zeros((1, M), dtype=np.int64)
+    _start_batches(k0, b0, r0, w0, Bv, Wq, cap, d)
+    init = np.concatenate([k0, b0, r0, w0], axis=1)
 
     level_rows = [init]
     known = encode(init)
@@ -309,7 +392,7 @@ def build_chain(system: System, B: Sequence[int], *, max_states: int = DEFAULT_M
         new_parts = []
         for lo in range(0, frontier.shape[0], 200_000):
             blk = frontier[lo:lo + 200_000]
-            src, nxt, pr, rew, soj = _expand(blk, M, Bv, cap, d, tables, ctok)
+            src, nxt, pr, rew, soj = _expand(blk, M, Bv, Wq, cap, d, tables, ctok)
             keys = encode(nxt)
             srcs.append(src + offset + lo)
             dsts.append(keys)
@@ -346,7 +429,7 @@ def build_chain(system: System, B: Sequence[int], *, max_states: int = DEFAULT_M
     Pm.sum_duplicates()
     return Chain(system=system, B=Bv, states=states, P=Pm, reward=np.concatenate(rewards),
                  sojourn=np.concatenate(sojourns), quantum_s=q.quantum_s,
-                 discretisation_error=q.max_rel_error, build_seconds=time.perf_counter() - t0)
+                 discretisation_error=q.max_rel_error, build_seconds=time.perf_counter() - t0, wait_quanta=Wq)
 
 
 # ---------------------------------------------------------------------------- solving
@@ -516,14 +599,18 @@ def solve(chain: Chain, *, on_periodic: str = "warn", keep_pi: bool = False) -> 
 
 
 def throughput(system: System, B: Any, *, max_states: int = DEFAULT_MAX_STATES,
-               on_periodic: str = "warn", keep_pi: bool = False) -> DTMCResult:
+               on_periodic: str = "warn", keep_pi: bool = False,
+               max_wait_s: Optional[Sequence[Optional[float]]] = None) -> DTMCResult:
     """T(B) in tokens/s from the exact DTMC (paper's formula; module docstring).
 
     Args:
         system: the modelled system.
         B: thresholds, (M,) ints or {model: B_i}.
+        max_wait_s: the server's wait bound per model in seconds (None: the paper's chain);
+            see :func:`build_chain`.
     Raises:
         InfeasibleThresholdsError, DeadlockError, ReducibleChainError, PeriodicChainError
         (``on_periodic='error'``), StateSpaceTooLargeError.
     """
-    return solve(build_chain(system, B, max_states=max_states), on_periodic=on_periodic, keep_pi=keep_pi)
+    return solve(build_chain(system, B, max_states=max_states, max_wait_s=max_wait_s),
+                 on_periodic=on_periodic, keep_pi=keep_pi)

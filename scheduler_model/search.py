@@ -18,7 +18,8 @@ thresholds. :func:`find_B_star` then applies a wider tie rule, ``min_gain`` (def
 waiting must be predicted to pay. Among the evaluated B whose T is within a factor
 1 + min_gain of the best, it returns the one with the least delay, the smallest
 Σ_i (B_i − 1) (then lexicographic). The chain leaves out costs of waiting that serving
-has: the wait bound's timer, arrivals that miss a step, and clients' jitter. The
+has: arrivals that miss a step, clients' jitter, and, unless ``max_wait_s`` is given, the
+wait bound's timer. The
 crn-racing estimates carry noise. On the size-realistic pair the plain argmax picked
 B_slm = 2 at N = 8 and B_slm = 17 at N = 32 on predicted gains of 0.02 % and 0.01 %
 (docs/performance.md). The online adapter's hysteresis uses the same 2 %
@@ -30,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import numpy as np
 
@@ -83,12 +84,16 @@ class SearchResult:
         }
 
 
-def feasible_thresholds(system: System, fixed: Optional[Dict[str, int]] = None) -> Iterator[np.ndarray]:
+def feasible_thresholds(system: System, fixed: Optional[Dict[str, int]] = None,
+                        max_wait_s: Optional[Sequence[Optional[float]]] = None) -> Iterator[np.ndarray]:
     """Yield every feasible B as an (M,) int64 array, lexicographically.
 
     Args:
         system: the modelled system.
         fixed: {model: B_i} held fixed (default ``system.fixed_thresholds``).
+        max_wait_s: None, or per model None or its wait bound (s): models with a bound do not
+            count in Σ (B_i − 1) < N (:func:`scheduler_model.dtmc.check_feasible`), so they
+            range over 1 … max_batch_i.
     Raises:
         InfeasibleThresholdsError: the fixed thresholds alone are infeasible.
     """
@@ -99,7 +104,8 @@ def feasible_thresholds(system: System, fixed: Optional[Dict[str, int]] = None) 
     for i, v in fixed_idx.items():
         if v < 1 or v > cap[i]:
             raise InfeasibleThresholdsError(f"fixed threshold {system.models[i]}={v} outside 1..{cap[i]}")
-    base = sum(v - 1 for v in fixed_idx.values())
+    free_of_bound = dtmc.unbounded(system, max_wait_s)
+    base = sum(v - 1 for i, v in fixed_idx.items() if free_of_bound[i])
     if base >= N:
         raise InfeasibleThresholdsError(f"fixed thresholds {fixed} alone give sum(B_i - 1) = {base} >= N = {N}")
     B = np.ones(M, dtype=np.int64)
@@ -112,9 +118,10 @@ def feasible_thresholds(system: System, fixed: Optional[Dict[str, int]] = None) 
             yield B.copy()
             return
         i = free[pos]
-        for v in range(1, min(cap[i], slack + 1) + 1):
+        counts = bool(free_of_bound[i])
+        for v in range(1, (min(cap[i], slack + 1) if counts else cap[i]) + 1):
             B[i] = v
-            yield from rec(pos + 1, slack - (v - 1))
+            yield from rec(pos + 1, slack - (v - 1) if counts else slack)
         B[i] = 1
 
     yield from rec(0, N - 1 - base)
@@ -129,19 +136,21 @@ def _argmax(values: List[float]) -> int:
 
 
 def search_exact(system: System, *, max_states: int = dtmc.DEFAULT_MAX_STATES,
-                 on_periodic: str = "ignore", candidates: Optional[List[np.ndarray]] = None) -> SearchResult:
-    """B* by evaluating the exact T(B) for every feasible B.
+                 on_periodic: str = "ignore", candidates: Optional[List[np.ndarray]] = None,
+                 max_wait_s: Optional[Sequence[Optional[float]]] = None) -> SearchResult:
+    """B* by evaluating the exact T(B) for every feasible B (with the server's wait bound per
+    model in seconds when ``max_wait_s`` is given; :func:`scheduler_model.dtmc.build_chain`).
 
     Raises:
         StateSpaceTooLargeError, ReducibleChainError, PeriodicChainError (``on_periodic='error'``).
     """
     t0 = time.perf_counter()
-    cands = list(feasible_thresholds(system)) if candidates is None else candidates
+    cands = list(feasible_thresholds(system, max_wait_s=max_wait_s)) if candidates is None else candidates
     table, values, states = [], [], []
     periodic = []
     disc = 0.0
     for B in cands:
-        r = dtmc.throughput(system, B, max_states=max_states, on_periodic=on_periodic)
+        r = dtmc.throughput(system, B, max_states=max_states, on_periodic=on_periodic, max_wait_s=max_wait_s)
         values.append(r.throughput_tokens_per_s)
         states.append(r.states)
         disc = max(disc, r.discretisation_error)
@@ -212,7 +221,8 @@ def prefer_less_waiting(res: SearchResult, system: System, min_gain: float) -> S
 
 def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_000,
                 time_budget_s: float = 20.0, seed: int = 0, probe_max_states: int = 10_000,
-                min_gain: float = 0.02, **race_kwargs: Any) -> SearchResult:
+                min_gain: float = 0.02, max_wait_s: Optional[Sequence[Optional[float]]] = None,
+                **race_kwargs: Any) -> SearchResult:
     """Find B* = argmax over feasible B of T(B), with the ``min_gain`` tie rule (module docstring).
 
     Args:
@@ -225,6 +235,9 @@ def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_0
             solve of a chain of ~45 000 states can take minutes).
         seed: random seed of crn-racing.
         min_gain: relative predicted gain a B with more waiting needs (default 0.02; 0 = plain argmax).
+        max_wait_s: the server's delayed-batching wait bound per model in seconds, None where
+            it has none (default None: the paper's chain, which waits for B_i however long it
+            takes). Both methods model it (the chain's ``w_i``, :mod:`scheduler_model.dtmc`).
         race_kwargs: passed to :func:`scheduler_model.approx.crn_race`.
     Returns:
         :class:`SearchResult`.
@@ -234,8 +247,12 @@ def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_0
     """
     if not (math.isfinite(min_gain) and min_gain >= 0):
         raise ValueError(f"min_gain must be a finite number >= 0, got {min_gain}")
-    return prefer_less_waiting(_search(system, method, max_states, time_budget_s, seed, probe_max_states,
-                                       race_kwargs), system, min_gain)
+    res = _search(system, method, max_states, time_budget_s, seed, probe_max_states,
+                  dict(race_kwargs, max_wait_s=max_wait_s))
+    if max_wait_s is not None:
+        res.notes.append("wait bound modelled: " + ", ".join(
+            f"{m} {'none' if w is None else f'{1e3 * w:g} ms'}" for m, w in zip(system.models, max_wait_s)))
+    return prefer_less_waiting(res, system, min_gain)
 
 
 def _search(system: System, method: str, max_states: int, time_budget_s: float, seed: int,
@@ -244,14 +261,15 @@ def _search(system: System, method: str, max_states: int, time_budget_s: float, 
 
     if method not in ("auto", "exact", "exact-dtmc", "crn-racing", "racing"):
         raise ValueError(f"unknown method {method!r} (auto, exact, crn-racing)")
-    cands = list(feasible_thresholds(system))
+    wait = race_kwargs.get("max_wait_s")
+    cands = list(feasible_thresholds(system, max_wait_s=wait))
     if method in ("exact", "exact-dtmc"):
-        return search_exact(system, max_states=max_states, candidates=cands)
+        return search_exact(system, max_states=max_states, candidates=cands, max_wait_s=wait)
     notes = []
     if method == "auto":
         t0 = time.perf_counter()
         try:
-            probe = dtmc.build_chain(system, cands[0], max_states=max_states)
+            probe = dtmc.build_chain(system, cands[0], max_states=max_states, max_wait_s=wait)
             if probe.n_states > probe_max_states and len(cands) > 1:
                 notes.append(f"exact chain at B={system.thresholds_dict(cands[0])} has {probe.n_states} states "
                              f"(> {probe_max_states}) for {len(cands)} candidates; switched to crn-racing")
@@ -262,7 +280,7 @@ def _search(system: System, method: str, max_states: int, time_budget_s: float, 
             est = (time.perf_counter() - t0) * len(cands)
             if est <= time_budget_s:
                 try:
-                    return search_exact(system, max_states=max_states, candidates=cands)
+                    return search_exact(system, max_states=max_states, candidates=cands, max_wait_s=wait)
                 except StateSpaceTooLargeError as exc:
                     notes.append(f"exact chain too large ({exc}); switched to crn-racing")
             else:

@@ -103,15 +103,16 @@ def simulate(system: System, B: Any, *, events: int = 100_000, warmup_events: Op
         t0_s: time origin of emitted events (s).
         max_wait_s: per model None or the server's delayed-batching wait bound
             (``delayed_batch_max_wait_us`` / 1e6, s): an idle model also starts a batch of
-            all its queued requests once the oldest has waited this long (rounded to quanta).
-            Not in the DTMC; None everywhere (default) is the DTMC's rule.
+            all its queued requests once the oldest has waited this long (rounded to quanta);
+            the DTMC's ``max_wait_s`` is the same rule. None everywhere (default) is the
+            paper's rule.
     Returns:
         :class:`SimResult`.
     Raises:
         InfeasibleThresholdsError, DeadlockError (cannot happen for feasible B), ProfileError (a
         run-length model whose row of P has no off-diagonal mass).
     """
-    Bv = check_feasible(system, B)
+    Bv = check_feasible(system, B, max_wait_s)
     M, N = system.M, system.N
     q = system.quanta()
     d = [di.tolist() for di in q.d]

@@ -251,3 +251,36 @@ def test_simulate_cli(profile_path, capsys):
     out = json.loads(capsys.readouterr().out)
     exact = dtmc.throughput(System.from_profile(PROFILE), {"slm": 1, "llm": 2}).throughput_tokens_per_s
     assert abs(out["throughput_tokens_per_s"] - exact) / exact < 0.03
+
+
+def test_solve_with_the_servers_wait_bound(tmp_path, repo, capsys):
+    """``solve --max-wait-us``: the table is the chain with the bound (B_llm = N no longer waits
+    for N requests), bad names fail with status 2, and ``--write-config`` writes the bound
+    modelled for a model with B* > 1."""
+    prof = dict(PROFILE, concurrency=4, transition=[[0.9, 0.1], [0.7, 0.3]], quantum_s=0.001)
+    p = tmp_path / "p.json"
+    p.write_text(json.dumps(prof))
+    assert main(["solve", "--profile", str(p), "--json", "--method", "exact", "--min-gain", "0"]) == 0
+    free = {r["B"]["llm"]: r["throughput_tokens_per_s"] for r in json.loads(capsys.readouterr().out)["table"]}
+    assert main(["solve", "--profile", str(p), "--json", "--method", "exact", "--min-gain", "0",
+                 "--max-wait-us", "llm=6000"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    bounded = {r["B"]["llm"]: r["throughput_tokens_per_s"] for r in out["table"]}
+    assert bounded[4] > 1.05 * free[4], (bounded, free)
+    assert bounded[1] == pytest.approx(free[1], rel=1e-12)  # B = 1: the bound never decides
+    assert any("wait bound modelled" in n for n in out["notes"])
+    assert main(["solve", "--profile", str(p), "--max-wait-us", "gpu=5"]) == 2
+    assert "unknown models" in capsys.readouterr().err
+    # the written bound is the one modelled, for the model whose B* > 1 (a profile where waiting
+    # pays a little: the LLM's batch of 4 costs little more than 1; --min-gain 0 takes that gain)
+    prof2 = dict(PROFILE, step_latency_s={"slm": 0.006, "llm": {"1": 0.030, "4": 0.031}}, quantum_s=0.001,
+                 transition=[[0.5, 0.5], [0.9, 0.1]])
+    p.write_text(json.dumps(prof2))
+    assert main(["solve", "--profile", str(p), "--json", "--method", "exact", "--min-gain", "0",
+                 "--max-wait-us", "llm=7000", "--write-config", str(repo)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    cfg = _parse((repo / "llm" / "config.pbtxt").read_text())
+    assert out["B_star"]["llm"] > 1, out["table"]
+    assert out["max_queue_delay_us"]["llm"] == 7000
+    assert cfg.dynamic_batching.max_queue_delay_microseconds == 7000
+    assert out["max_queue_delay_us"]["slm"] == 0  # B*_slm = 1 (fixed)

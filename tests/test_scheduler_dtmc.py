@@ -188,9 +188,71 @@ def test_state_invariants():
                P=[[0.6, 0.3, 0.1], [0.5, 0.5, 0.0], [0.2, 0.2, 0.6]], C=np.ones((3, 3)))
     B = np.array([1, 2, 2])
     ch = dtmc.build_chain(s, B)
-    k, b, r = ch.states[:, :3], ch.states[:, 3:6], ch.states[:, 6:]
+    k, b, r, w = ch.states[:, :3], ch.states[:, 3:6], ch.states[:, 6:9], ch.states[:, 9:]
+    assert np.all(w == 0)                                       # no wait bound: no timer
     assert np.all(k.sum(axis=1) + b.sum(axis=1) == 5)          # closed population
     assert np.all((b == 0) == (r == 0))                         # idle <=> no remaining time
     assert np.all(~((b == 0) & (k >= B)))                       # idle models are below threshold
     assert np.all((b > 0).any(axis=1))                          # no deadlock
     np.testing.assert_allclose(np.asarray(ch.P.sum(axis=1)).ravel(), 1.0, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------- wait bound
+def _wait_system(N=4):
+    return System(models=("slm", "llm"), concurrency=N, latency=[{1: 0.010, 4: 0.013}, {1: 0.030, 4: 0.036}],
+                  P=[[0.8, 0.2], [0.7, 0.3]], C=[[1, 0], [1, 0.5]], quantum_s=0.001)
+
+
+def test_wait_bound_none_or_unused_is_the_papers_chain():
+    """No bound, or a bound on a model with B_i = 1 (it starts at once anyway): the same chain."""
+    s = _wait_system()
+    plain = dtmc.throughput(s, (1, 3))
+    unused = dtmc.throughput(s, (1, 3), max_wait_s=[0.005, None])
+    assert unused.states == plain.states
+    assert unused.throughput_tokens_per_s == pytest.approx(plain.throughput_tokens_per_s, rel=1e-12)
+
+
+def test_wait_bound_zero_is_eager_and_a_long_one_is_no_bound():
+    s = _wait_system()
+    eager = dtmc.throughput(s, (1, 1)).throughput_tokens_per_s
+    assert dtmc.throughput(s, (2, 3), max_wait_s=[0.0, 0.0]).throughput_tokens_per_s == pytest.approx(eager, rel=1e-9)
+    plain = dtmc.throughput(s, (1, 3)).throughput_tokens_per_s
+    # a bound longer than any wait the chain can reach changes nothing
+    long = dtmc.throughput(s, (1, 3), max_wait_s=[None, 10.0]).throughput_tokens_per_s
+    assert long == pytest.approx(plain, rel=1e-9)
+
+
+def test_wait_bound_state_invariants():
+    s = _wait_system()
+    ch = dtmc.build_chain(s, (1, 3), max_wait_s=[None, 0.025])
+    W = ch.wait_quanta
+    assert W.tolist() == [-1, 25]
+    k, b, r, w = (ch.states[:, i * 2:(i + 1) * 2] for i in range(4))
+    assert np.all(w[:, 0] == 0) and np.all(w[:, 1] <= 25)
+    assert np.all(w[k == 0] == 0)                                # no queue, no age
+    assert np.all(~((b[:, 1] == 0) & (k[:, 1] > 0) & (w[:, 1] >= 25)))  # an expired idle queue starts
+    assert np.all(~((b == 0) & (k >= np.array([1, 3]))))
+    np.testing.assert_allclose(np.asarray(ch.P.sum(axis=1)).ravel(), 1.0, atol=1e-12)
+
+
+@pytest.mark.parametrize("wait_s", [0.004, 0.025])
+def test_wait_bound_chain_matches_the_simulator(wait_s):
+    """The exact chain with a wait bound against the discrete-event simulator with the same bound
+    (geometric routing, the chain's assumptions): equal within the simulator's error, and the
+    bound moves T away from the unbounded chain's value (so the comparison can fail)."""
+    from scheduler_model.simulate import simulate
+
+    s = _wait_system()
+    exact = dtmc.throughput(s, (1, 3), max_wait_s=[None, wait_s]).throughput_tokens_per_s
+    unbounded = dtmc.throughput(s, (1, 3)).throughput_tokens_per_s
+    sim = simulate(s, (1, 3), events=300_000, seed=3, max_wait_s=[None, wait_s])
+    assert abs(exact - sim.throughput_tokens_per_s) <= 4 * sim.stderr_tokens_per_s + 1e-3 * exact, (exact, sim)
+    assert abs(exact - unbounded) > 8 * sim.stderr_tokens_per_s, (exact, unbounded, sim.stderr_tokens_per_s)
+
+
+def test_wait_bound_rejects_bad_values():
+    s = _wait_system()
+    with pytest.raises(InfeasibleThresholdsError):
+        dtmc.throughput(s, (1, 3), max_wait_s=[None, -1.0])
+    with pytest.raises(InfeasibleThresholdsError):
+        dtmc.throughput(s, (1, 3), max_wait_s=[0.01])

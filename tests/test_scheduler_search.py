@@ -105,3 +105,36 @@ def test_racing_finds_near_optimal_B(system):
     loss = 1 - T_race_exact / ex.throughput_tokens_per_s
     assert 0 <= loss < 0.01 + 1e-12
     assert len(race.table) == len(ex.table)
+
+
+def test_crn_simulator_with_a_wait_bound_matches_the_exact_chain():
+    """The CRN simulator's timer rule is the chain's (dtmc ``w_i``): the same T with the wait
+    bound, where the bound moves T well away from the unbounded value."""
+    s = two(6, P=[[0.85, 0.15], [0.6, 0.4]], C=[[1, 1], [1, 0]])
+    Bs = np.array([[1, 4], [3, 1], [1, 6]])
+    wait = [0.003, 0.010]
+    sim = approx.CRNSimulator(s, Bs, seed=0, max_wait_s=wait)
+    sim.run(500)
+    sim.mark()
+    sim.run(30_000)
+    for B, t in zip(Bs, sim.throughput()):
+        bounded = dtmc.throughput(s, B, on_periodic="ignore", max_wait_s=wait).throughput_tokens_per_s
+        free = dtmc.throughput(s, B, on_periodic="ignore").throughput_tokens_per_s
+        assert abs(t - bounded) / bounded < 0.02, (B, t, bounded)
+        assert abs(free - bounded) / bounded > 0.05, (B, free, bounded)
+
+
+def test_search_with_a_wait_bound_ranks_long_waits_as_serving_does():
+    """Without the bound a large B_llm is predicted to wait for B_llm requests however long that
+    takes; with it, B_llm = N waits at most the bound, and both methods say so."""
+    s = two(6, P=[[0.9, 0.1], [0.7, 0.3]], C=[[1, 1], [1, 0]], fixed_thresholds={"slm": 1})
+    wait = [None, 0.02]
+    free = search.find_B_star(s, method="exact", min_gain=0)
+    bounded = search.find_B_star(s, method="exact", min_gain=0, max_wait_s=wait)
+    raced = search.find_B_star(s, method="crn-racing", min_gain=0, max_wait_s=wait, seed=0)
+    t = {tuple(r["B"].values()): r["throughput_tokens_per_s"] for r in free.table}
+    tb = {tuple(r["B"].values()): r["throughput_tokens_per_s"] for r in bounded.table}
+    assert tb[(1, 6)] > 1.1 * t[(1, 6)], (tb, t)
+    assert any("wait bound modelled" in n for n in bounded.notes)
+    T_raced = dtmc.throughput(s, raced.B_star, max_wait_s=wait).throughput_tokens_per_s
+    assert 1 - T_raced / bounded.throughput_tokens_per_s < 0.01
