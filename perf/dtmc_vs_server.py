@@ -41,6 +41,7 @@ about 1 + 2 + 3.5 + 9 min + 2 min of server start ≈ 18 min, plus the calibrati
 
     source deploy/env.sh && python perf/dtmc_vs_server.py              # ~20-35 min here
     python perf/dtmc_vs_server.py --pair demo --concurrency 2 --max-tokens 16 --duration 3   # quick
+    python perf/dtmc_vs_server.py --replay perf/results/dtmc-…   # re-predict a recorded run, no server
 """
 
 from __future__ import annotations
@@ -209,6 +210,46 @@ def markdown(report: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _solve(profile: str, wait_us: Optional[int]) -> Dict[str, Any]:
+    """``python -m scheduler_model solve`` on a stored profile, as :func:`b_star_from_events` runs it."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "scheduler_model", "solve", "--profile", profile, "--json", "--quantum-s", "0.005"]
+    if wait_us is not None:
+        cmd += ["--max-wait-us", ",".join(f"{m}={int(wait_us)}" for m in MODELS)]
+    return json.loads(subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True).stdout)
+
+
+def replay(out_dir: str) -> str:
+    """Re-predict a recorded run (its ``dtmc_vs_server.json`` and ``profile-N*.json``) with the
+    chain as it is now, without and with the run's wait bound, against the points it measured.
+
+    Returns the markdown tables.  Raises OSError / KeyError for a folder that is not such a run."""
+    with open(os.path.join(out_dir, "dtmc_vs_server.json")) as f:
+        report = json.load(f)
+    out = []
+    for row in report["rows"]:
+        N, w = row["N"], row.get("wait_us")
+        prof = os.path.join(out_dir, f"profile-N{N}.json")
+        if not os.path.exists(prof):
+            out.append(f"N = {N}: no profile stored (B = 1 without one)")
+            continue
+        free, bounded = _solve(prof, None), _solve(prof, w)
+        tf = {_key(r["B"]): r["throughput_tokens_per_s"] for r in free["table"]}
+        tb = {_key(r["B"]): r["throughput_tokens_per_s"] for r in bounded["table"]}
+        points = {_key(p["B"]): p for p in row["points"]}
+        best = max(points.values(), key=lambda p: p["throughput_tok_s"])
+        out += [f"N = {N}, wait bound {w} us: B* without the bound {_fmt_B(free['B_star'])} ({free['method']}), "
+                f"with it {_fmt_B(bounded['B_star'])} ({bounded['method']}); measured best {_fmt_B(best['B'])}", "",
+                "| B | measured tok/s (mean ± 95 %) | chain | chain with the wait bound |", "|---|---:|---:|---:|"]
+        for k in sorted(points):
+            p = points[k]
+            out.append(f"| {_fmt_B(p['B'])} | {_f(p['throughput']['mean'])} ± {_f(p['throughput']['ci95'])} | "
+                       f"{_f(tf.get(k))} | {_f(tb.get(k))} |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="size-realistic")
@@ -228,7 +269,16 @@ def main(argv=None) -> int:
                          "calibration of each model at batch sizes up to max N, taken once after start)")
     ap.add_argument("--grid", default=",".join(map(str, GRID)), help="thresholds swept (each capped at N)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("dtmc-%Y%m%d-%H%M%S")))
+    ap.add_argument("--replay", metavar="DIR",
+                    help="no server: re-predict the run recorded in DIR (its dtmc_vs_server.json and profiles) "
+                         "with the chain without and with that run's wait bound, beside what it measured")
     a = ap.parse_args(argv)
+    if a.replay:
+        try:
+            print(replay(a.replay))
+        except (OSError, KeyError, ValueError) as exc:
+            ap.error(f"--replay {a.replay}: not a dtmc_vs_server run ({exc})")
+        return 0
     exit_on_termination()
     from tokenrouter.repository import PAIRS, read_config
     from tokenrouter.triton_common import resolve_model_path

@@ -181,6 +181,34 @@ def test_dtmc_confirmation_pairs_b_star_with_the_sweeps_best():
     assert dvs.grid(8, 5) == [1, 2, 3, 4, 5, 6, 8] and dvs.grid(2, 1) == [1, 2]
 
 
+def test_dtmc_replay_predicts_a_recorded_sweep_with_and_without_the_wait_bound(tmp_path):
+    """``dtmc_vs_server.py --replay DIR``: the stored profile is solved again without and with the
+    run's wait bound; the table lists every measured point with both predictions.  B_llm = N
+    waits for N requests without the bound (a collapse), not with it."""
+    prof = {"models": ["slm", "llm"], "concurrency": 4,
+            "step_latency_s": {"slm": {"1": 0.06, "4": 0.07}, "llm": {"1": 0.2, "4": 0.3}},
+            "transition": [[0.9, 0.1], [0.7, 0.3]], "committed_tokens": [[1, 1], [1, 0]], "quantum_s": 0.005}
+    (tmp_path / "profile-N4.json").write_text(json.dumps(prof))
+    point = lambda llm, tok: {"B": {"slm": 1, "llm": llm}, "throughput_tok_s": tok,  # noqa: E731
+                              "throughput": {"mean": tok, "ci95": 1.0}}
+    run = {"rows": [{"N": 4, "wait_us": 60000, "points": [point(1, 30.0), point(4, 29.0)]}]}
+    (tmp_path / "dtmc_vs_server.json").write_text(json.dumps(run))
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "perf" / "dtmc_vs_server.py"),
+                          "--replay", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.split("|")[2:5]]
+            for ln in out.stdout.splitlines() if ln.startswith("| slm=")}
+    assert set(rows) == {"slm=1,llm=1", "slm=1,llm=4"}, out.stdout
+    free1, bound1 = float(rows["slm=1,llm=1"][1]), float(rows["slm=1,llm=1"][2])
+    free4, bound4 = float(rows["slm=1,llm=4"][1]), float(rows["slm=1,llm=4"][2])
+    assert free1 == bound1  # B = 1: the bound never decides
+    assert bound4 > 1.2 * free4, out.stdout
+    assert "wait bound 60000 us" in out.stdout
+    bad = subprocess.run([sys.executable, str(Path(__file__).resolve().parent.parent / "perf" / "dtmc_vs_server.py"),
+                          "--replay", str(tmp_path / "nothing")], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "not a dtmc_vs_server run" in bad.stderr
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from tokenrouter.triton_common import resolve_model_path
