@@ -315,7 +315,17 @@ def test_shutdown_ends_running_requests_after_the_grace(triton_server, tmp_path)
 @pytest.fixture(scope="module")
 def litellm():
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no network: use the bundled map
-    return pytest.importorskip("litellm", reason="litellm is not installed (it is pinned in deploy/requirements.txt)")
+    mod = pytest.importorskip("litellm", reason="litellm is not installed (it is pinned in deploy/requirements.txt)")
+    yield mod
+    # LiteLLM keeps its httpx clients (and their keep-alive connections to Triton's HTTP port)
+    # for the process; an idle one holds the shared server's shutdown for its exit timeout
+    for client in [*mod.in_memory_llm_clients_cache.cache_dict.values(), mod.module_level_client]:
+        close = getattr(client, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:  # noqa: BLE001 - an async client or one already closed
+                pass
 
 
 @pytest.mark.parametrize("stream", [False, True])
