@@ -227,7 +227,10 @@ def replay(out_dir: str) -> str:
     Returns the markdown tables.  Raises OSError / KeyError for a folder that is not such a run."""
     with open(os.path.join(out_dir, "dtmc_vs_server.json")) as f:
         report = json.load(f)
-    out = []
+    if not isinstance(report, dict) or not isinstance(report.get("rows"), list):
+        raise ValueError("its dtmc_vs_server.json has no list of rows")
+    out = ["(– : a B the search did not evaluate: infeasible for that chain, Σ(B_i − 1) ≥ N without "
+           "the wait bound, or beyond the search's thresholds)", ""]
     for row in report["rows"]:
         N, w = row["N"], row.get("wait_us")
         prof = os.path.join(out_dir, f"profile-N{N}.json")

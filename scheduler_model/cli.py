@@ -38,19 +38,32 @@ from typing import Any, List, Optional
 from .errors import SchedulerModelError
 
 
-def _parse_thresholds(text: str) -> dict:
+def _parse_per_model(text: str, what: str = "threshold", value: str = "B") -> dict:
+    """``MODEL=INT,MODEL=INT`` as {model: int}; argparse.ArgumentTypeError naming ``what`` and
+    ``value`` for a malformed part or a model named twice."""
     out = {}
     for part in text.split(","):
         if not part.strip():
             continue
         if "=" not in part:
-            raise argparse.ArgumentTypeError(f"threshold {part!r} is not MODEL=B")
+            raise argparse.ArgumentTypeError(f"{what} {part!r} is not MODEL={value}")
         k, v = part.split("=", 1)
+        k = k.strip()
+        if k in out:
+            raise argparse.ArgumentTypeError(f"{what}: model {k!r} given twice")
         try:
-            out[k.strip()] = int(v)
+            out[k] = int(v)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"threshold {part!r}: B must be an integer") from None
+            raise argparse.ArgumentTypeError(f"{what} {part!r}: {value} must be an integer") from None
     return out
+
+
+def _parse_thresholds(text: str) -> dict:
+    return _parse_per_model(text)
+
+
+def _parse_wait_us(text: str) -> dict:
+    return _parse_per_model(text, "wait bound", "microseconds")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--calibration", metavar="CALIB.json",
                    help="refit the calibrated models' step latency to this calibration (calibrate's output)")
     s.add_argument("--concurrency", type=int, default=None, help="override the profile's concurrency N")
-    s.add_argument("--max-wait-us", type=_parse_thresholds, default=None,
+    s.add_argument("--max-wait-us", type=_parse_wait_us, default=None,
                    help="the server's delayed_batch_max_wait_us per model, e.g. slm=5000,llm=85000: an idle "
                         "model starts a batch once its oldest request waited this long (default: no bound, "
                         "the paper's chain); a coarser --quantum-s (e.g. 0.001) keeps the chains small")
@@ -107,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--thresholds", required=True, type=_parse_thresholds, help="e.g. slm=1,llm=2")
     m.add_argument("--events", type=int, default=100_000, help="completion events to simulate")
     m.add_argument("--seed", type=int, default=0)
-    m.add_argument("--max-wait-us", type=_parse_thresholds, default=None,
+    m.add_argument("--max-wait-us", type=_parse_wait_us, default=None,
                    help="the server's delayed_batch_max_wait_us per model, e.g. slm=5000,llm=20000")
     m.add_argument("--json", action="store_true")
     return ap
