@@ -188,9 +188,6 @@ class TritonServer:
             # one model at a time: several Python stubs importing torch at once on
             # 2 cores once left one instance hanging in its initialisation
             "--model-load-thread-count=1",
-            # as deploy/serve: Triton 2.51 first waits this long for idle keep-alive HTTP
-            # connections to close (extra_args can set another)
-            "--exit-timeout-secs=10",
             *self.extra_args,
         ]
         env = {**os.environ, **self.env}

@@ -138,8 +138,6 @@ server_args=(
     --grpc-port "$grpc_port"
     --metrics-port "$metrics_port"
     --model-load-thread-count 1
-    # Triton 2.51 first waits this long for idle keep-alive HTTP connections (deploy/serve --exit-timeout)
-    --exit-timeout-secs 10
     --model-control-mode explicit
 )
 for m in "${hosted[@]}"; do server_args+=(--load-model "$m"); done
