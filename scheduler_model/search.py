@@ -247,8 +247,7 @@ def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_0
     """
     if not (math.isfinite(min_gain) and min_gain >= 0):
         raise ValueError(f"min_gain must be a finite number >= 0, got {min_gain}")
-    res = _search(system, method, max_states, time_budget_s, seed, probe_max_states,
-                  dict(race_kwargs, max_wait_s=max_wait_s))
+    res = _search(system, method, max_states, time_budget_s, seed, probe_max_states, max_wait_s, race_kwargs)
     if max_wait_s is not None:
         res.notes.append("wait bound modelled: " + ", ".join(
             f"{m} {'none' if w is None else f'{1e3 * w:g} ms'}" for m, w in zip(system.models, max_wait_s)))
@@ -256,12 +255,12 @@ def find_B_star(system: System, *, method: str = "auto", max_states: int = 500_0
 
 
 def _search(system: System, method: str, max_states: int, time_budget_s: float, seed: int,
-            probe_max_states: int, race_kwargs: Dict[str, Any]) -> SearchResult:
+            probe_max_states: int, wait: Optional[Sequence[Optional[float]]],
+            race_kwargs: Dict[str, Any]) -> SearchResult:
     from . import approx
 
     if method not in ("auto", "exact", "exact-dtmc", "crn-racing", "racing"):
         raise ValueError(f"unknown method {method!r} (auto, exact, crn-racing)")
-    wait = race_kwargs.get("max_wait_s")
     cands = list(feasible_thresholds(system, max_wait_s=wait))
     if method in ("exact", "exact-dtmc"):
         return search_exact(system, max_states=max_states, candidates=cands, max_wait_s=wait)
@@ -273,7 +272,7 @@ def _search(system: System, method: str, max_states: int, time_budget_s: float, 
             if probe.n_states > probe_max_states and len(cands) > 1:
                 notes.append(f"exact chain at B={system.thresholds_dict(cands[0])} has {probe.n_states} states "
                              f"(> {probe_max_states}) for {len(cands)} candidates; switched to crn-racing")
-                res = approx.crn_race(system, candidates=cands, seed=seed, **race_kwargs)
+                res = approx.crn_race(system, candidates=cands, seed=seed, max_wait_s=wait, **race_kwargs)
                 res.notes = notes + res.notes
                 return res
             first = dtmc.solve(probe, on_periodic="ignore")
@@ -289,6 +288,6 @@ def _search(system: System, method: str, max_states: int, time_budget_s: float, 
                              "switched to crn-racing")
         except StateSpaceTooLargeError as exc:
             notes.append(f"exact chain too large ({exc}); switched to crn-racing")
-    res = approx.crn_race(system, candidates=cands, seed=seed, **race_kwargs)
+    res = approx.crn_race(system, candidates=cands, seed=seed, max_wait_s=wait, **race_kwargs)
     res.notes = notes + res.notes
     return res

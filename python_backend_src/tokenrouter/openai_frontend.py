@@ -111,6 +111,11 @@ class _ServerDraining(Exception):
 SHUTTING_DOWN = "server is shutting down"
 
 
+def _shutting_down() -> "OpenAIError":
+    """The error a request still running after the shutdown grace period ends with (503)."""
+    return OpenAIError(503, SHUTTING_DOWN, type="server_error", code="server_shutting_down")
+
+
 #: substrings of the router's messages for bad input (its ClientError texts); anything
 #: else from the router is a server-side failure
 _CLIENT_ERROR_HINTS = ("context length", "parameters.", "sampling_parameters", "text_input", "unknown keys",
@@ -679,7 +684,7 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
             return JSONResponse({}, status_code=499)
         except _ServerDraining:
             await gen.aclose()
-            return OpenAIError(503, SHUTTING_DOWN, type="server_error", code="server_shutting_down").response()
+            return _shutting_down().response()
         except BaseException:
             watcher.cancel()
             await gen.aclose()
@@ -806,8 +811,7 @@ async def _sse(rid: str, created: int, served: str, first: GenerationOutput, gen
                 yield _sse_event(_backend_error(str(e)).body())
                 break
             except _ServerDraining:
-                yield _sse_event(OpenAIError(503, SHUTTING_DOWN, type="server_error",
-                                             code="server_shutting_down").body())
+                yield _sse_event(_shutting_down().body())
                 break
         yield "data: [DONE]\n\n"
     except _ClientGone:
