@@ -40,7 +40,9 @@ def server(tmp_path_factory):
                      # the killed model's old instance stays unloading while BLS requests were in
                      # flight (docs/transport.md): do not wait Triton's default 30 s for it at exit
                      extra_args=["--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=5"])
+    sems = set(Path("/dev/shm").glob("sem.mp-*"))
     s.start()
+    s.sems_before = sems
     s.seen = _Seen()
     s.seen.note(s)
     try:
@@ -69,7 +71,8 @@ def test_nothing_left_after_stop(server):
     """The killed stub's instance never finishes unloading (the BLS request that waited on it),
     so the server exits on its exit timeout without removing that instance's ``/dev/shm``
     region; the dead stub's reaper removes it once the server is gone.  Every other stub of the
-    server is gone too."""
+    server is gone too, and no stub left a named semaphore (``sem.mp-*``: tqdm's multiprocessing
+    lock under the spawn start method, which only Python's exit handlers unlink)."""
     server.seen.note(server)
     assert server.seen.regions, "no stub regions seen"
     server.stop()
@@ -84,3 +87,5 @@ def test_nothing_left_after_stop(server):
         time.sleep(0.5)
     assert not alive, f"stub processes left: {alive}"
     assert not left, f"/dev/shm regions left: {left}"
+    sems = sorted(p.name for p in set(Path("/dev/shm").glob("sem.mp-*")) - server.sems_before)
+    assert not sems, f"named semaphores left: {sems}"

@@ -237,6 +237,22 @@ class _NoPrefixCache:
         return None
 
 
+def _thread_lock_for_tqdm() -> None:
+    """Give tqdm (SGLang's weight-loading progress bar) a thread lock before its first bar.
+
+    Left alone, tqdm creates a ``multiprocessing.RLock``. Under SGLang's ``spawn`` start method
+    that is a named POSIX semaphore (``/dev/shm/sem.mp-*``) which only Python's exit handlers
+    unlink, and a Triton stub ends without them, so every engine left one behind. The engine
+    is one process; a thread lock is all tqdm needs. No-op once tqdm has a lock.
+    """
+    import threading
+
+    from tqdm import tqdm
+
+    if "_lock" not in vars(tqdm):
+        tqdm.set_lock(threading.RLock())
+
+
 class SGLangEngine:
     """An SGLang ``ModelRunner`` plus the batch bookkeeping for pause/resume.
 
@@ -291,6 +307,7 @@ class SGLangEngine:
         publish(server_args, role="scheduler",
                 ranks=SpawnRanks(world_rank=spawn_world_rank(server_args, tp_rank=0, pp_rank=0), gpu_id=gpu_id))
         ob._init_process_global_configs()
+        _thread_lock_for_tqdm()
         bench_runner, tokenizer = ob.load_model(server_args, port_args, gpu_id, 0)
         self.runner = bench_runner.torch_runner
         self.tokenizer = tokenizer
