@@ -52,7 +52,7 @@ def write(out: str, *, routers: Optional[Mapping[str, tuple]] = None, kv_pool_to
           router_params: Optional[Mapping[str, str]] = None) -> str:
     """Write the repository into ``out`` (created; must not exist or be empty).
 
-    Configs are edited as Triton ModelConfig protobufs (tokenrouter.repository).
+    Configs are edited as Triton ModelConfig protobufs (tokenrouter.tools.repository).
 
     Args:
         routers: router models to add, ``{name: (models csv, algorithm, params dict or JSON text)}``;
@@ -64,7 +64,7 @@ def write(out: str, *, routers: Optional[Mapping[str, tuple]] = None, kv_pool_to
     Returns:
         ``out``.
     """
-    from tokenrouter.repository import add_router, read_config, write_config
+    from tokenrouter.tools.repository import add_router, read_config, write_config
 
     os.makedirs(out, exist_ok=True)
     if os.listdir(out):

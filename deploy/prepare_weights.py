@@ -85,12 +85,12 @@ def cpu_compat() -> None:
     The venv holds PyPI's torchvision (a CUDA build, needed by sglang's imports) next
     to the CPU torch; transformers then fails to import ("operator torchvision::nms
     does not exist") unless the op schemas are declared first, which the project's
-    tokenrouter.sglang_cpu_compat does (a no-op where CUDA is present).
+    tokenrouter.engine.sglang_cpu_compat does (a no-op where CUDA is present).
     """
     src = str(Path(__file__).resolve().parent.parent / "python_backend_src")
     if src not in sys.path:
         sys.path.insert(0, src)
-    from tokenrouter.sglang_cpu_compat import install
+    from tokenrouter.engine.sglang_cpu_compat import install
 
     install()
 

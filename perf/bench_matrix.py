@@ -104,7 +104,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
 
 from loadgen import SteadyLoad, load_tokenizer, run_load, spread, summarize, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
-from tokenrouter.repository import make_variant  # noqa: E402
+from tokenrouter.tools.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 
 MODELS = ["slm", "llm"]
@@ -228,7 +228,7 @@ def cpu_seconds(server_pid: Optional[int] = None, workers: Optional[Dict[str, in
     """
     import psutil
 
-    from tokenrouter.stub_guard import stub_model
+    from tokenrouter.triton.stub_guard import stub_model
 
     out: Dict[str, float] = {}
 
@@ -342,10 +342,10 @@ def _mode_order(modes: List[str], interleave_no_triton: bool = False) -> List[st
 def router_algorithm(pair: str, override: Dict[str, Any]) -> tuple:
     """``(algorithm name, parameters)`` of the pair's token_router with ``override`` merged in.
 
-    The base parameters are the pair's (:data:`tokenrouter.repository.PAIRS`), else
+    The base parameters are the pair's (:data:`tokenrouter.tools.repository.PAIRS`), else
     the repository's token_router config.
     """
-    from tokenrouter.repository import PAIRS, read_config
+    from tokenrouter.tools.repository import PAIRS, read_config
 
     rp = read_config(os.path.join(ROOT, "model_repository", "token_router", "config.pbtxt")).parameters
     algo = rp["algorithm"].string_value if "algorithm" in rp else "rstitch"
@@ -399,8 +399,8 @@ def configure_mode(url: str, mode: str, B: Optional[Dict[str, int]] = None, wait
 def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     """All Triton cells of one pair in one tritonserver, then the no-Triton baseline
     (with ``--repeats``: its workers beside the server, its cells interleaved)."""
-    from tokenrouter.repository import read_config
-    from tokenrouter.triton_common import resolve_model_path
+    from tokenrouter.tools.repository import read_config
+    from tokenrouter.triton.common import resolve_model_path
 
     work = os.path.join(out_dir, f"run-{pair}")
     os.makedirs(work, exist_ok=True)
@@ -547,9 +547,9 @@ class NoTriton:
     def __init__(self, pair: str, repo: str):
         import threading
 
-        from tokenrouter.direct import DirectCluster, DirectRouter
-        from tokenrouter.repository import read_config
-        from tokenrouter.triton_common import llm_settings, resolve_model_path
+        from tokenrouter.routing.direct import DirectCluster, DirectRouter
+        from tokenrouter.tools.repository import read_config
+        from tokenrouter.triton.common import llm_settings, resolve_model_path
 
         def params(model):
             return {k: v.string_value for k, v in
@@ -932,7 +932,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
     exit_on_termination()
-    from tokenrouter.repository import PAIRS
+    from tokenrouter.tools.repository import PAIRS
 
     a.pairs = [p for p in a.pairs.split(",") if p]
     if not a.pairs or set(a.pairs) - set(PAIRS):

@@ -3,7 +3,7 @@
 One tritonserver serves a variant of model_repository with two routers over the same
 models: ``token_router`` (thresholds fixed by this script through the models'
 ``configure`` op) and ``token_router_online`` (``online_adaptation: true``: the router
-re-solves B* from the live routing events and applies it, :mod:`tokenrouter.online_bstar`).
+re-solves B* from the live routing events and applies it, :mod:`tokenrouter.routing.online_bstar`).
 Each variant runs the same Locust load shape (``perf/locust_bursty.py``: the number of
 streaming users steps between ``--levels`` every ``--step-s`` seconds for ``--duration``
 seconds; users above a lower level finish their request first):
@@ -55,7 +55,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
 from bench_matrix import ratio_interval  # noqa: E402
 from loadgen import run_load, spread  # noqa: E402
 from tokenrouter import admin  # noqa: E402
-from tokenrouter.repository import PAIRS, make_variant  # noqa: E402
+from tokenrouter.tools.repository import PAIRS, make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 
 MODELS = ["slm", "llm"]

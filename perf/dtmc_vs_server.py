@@ -66,7 +66,7 @@ from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _s
                           wait_bound_us)
 from loadgen import SteadyLoad, load_tokenizer, run_load, window_summary  # noqa: E402
 from tokenrouter import admin  # noqa: E402
-from tokenrouter.repository import make_variant  # noqa: E402
+from tokenrouter.tools.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -283,8 +283,8 @@ def main(argv=None) -> int:
             ap.error(f"--replay {a.replay}: not a dtmc_vs_server run ({exc})")
         return 0
     exit_on_termination()
-    from tokenrouter.repository import PAIRS, read_config
-    from tokenrouter.triton_common import resolve_model_path
+    from tokenrouter.tools.repository import PAIRS, read_config
+    from tokenrouter.triton.common import resolve_model_path
 
     if a.pair not in PAIRS:
         ap.error(f"--pair: known pairs are {sorted(PAIRS)}")

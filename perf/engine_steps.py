@@ -1,6 +1,6 @@
 """Step latencies of one model's engine alone, without a server (CPU or GPU).
 
-Loads one :class:`tokenrouter.engine.SGLangEngine` in this process and times
+Loads one :class:`tokenrouter.engine.sglang_engine.SGLangEngine` in this process and times
 :meth:`SGLangEngine.calibrate`'s synthetic steps (prefill, decode, and a resume
 step in which one row has 2 new tokens) at the given batch sizes.  One warm-up
 pass runs first, so the timed pass sees warm kernels.
@@ -56,8 +56,8 @@ def main(argv=None) -> int:
     if not bs or min(bs) < 1 or a.context < 1 or a.decode_steps < 1 or a.threads < 1:
         ap.error("--batch-sizes, --context, --decode-steps and --threads take positive integers")
 
-    from tokenrouter.engine import EngineConfig, SGLangEngine
-    from tokenrouter.triton_common import resolve_model_path
+    from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
+    from tokenrouter.triton.common import resolve_model_path
 
     need = max(bs) * (a.context + a.decode_steps + 4)
     engine = SGLangEngine(EngineConfig(model_path=resolve_model_path(a.model), dtype=a.dtype,

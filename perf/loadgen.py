@@ -23,7 +23,7 @@ whose text is not complete yet (part of a UTF-8 character, a skipped special
 token) is released with a later chunk.  Each request therefore asks for the
 routing trace (``return_routing_trace``: the output token ids and which model
 wrote each), and the client replays the router's own detokeniser
-(:class:`tokenrouter.detok.IncrementalDetokenizer`) over those ids: token *i*
+(:class:`tokenrouter.engine.detok.IncrementalDetokenizer`) over those ids: token *i*
 arrived with the first chunk whose cumulative text covers the text up to and
 including token *i* (a token without text of its own: with the next chunk that
 brings new text); tokens whose text never arrived in a chunk arrived with the
@@ -154,7 +154,7 @@ def token_arrival_times(chunks: Sequence[Tuple[float, str]], token_ids: Sequence
     streamed = "".join(s for _t, s in chunks)
     lens: Optional[List[int]] = None
     if tokenizer is not None:
-        from tokenrouter.detok import IncrementalDetokenizer
+        from tokenrouter.engine.detok import IncrementalDetokenizer
 
         d = IncrementalDetokenizer(tokenizer)
         lens = []
@@ -177,7 +177,7 @@ def token_arrival_times(chunks: Sequence[Tuple[float, str]], token_ids: Sequence
 
 def triton_client(url: str, model: str = "token_router") -> Callable:
     """A generate function streaming from a Triton router model over gRPC (with the routing trace)."""
-    from tokenrouter.cli import stream_generate
+    from tokenrouter.tools.cli import stream_generate
 
     def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None]) -> Dict:
         return stream_generate(url, prompt, sampling, chat=True, trace=True, model=model, on_text=on_text)

@@ -1,7 +1,7 @@
 """Step-latency calibration against a running server: ``python -m scheduler_model calibrate``.
 
 Each LLM model (Triton models ``slm``, ``llm``, …) runs its ``calibrate`` admin op
-(:meth:`tokenrouter.subserver.Subserver.calibrate`): on its decode-loop thread it builds b
+(:meth:`tokenrouter.engine.subserver.Subserver.calibrate`): on its decode-loop thread it builds b
 synthetic sequences of ``context`` tokens, prefills them, times ``decode_steps`` decode steps
 of b rows and one resume step (one row back from a peer with 2 new tokens, one extend forward
 of b rows), and releases every KV row. It refuses while the model holds requests and fails
@@ -40,7 +40,7 @@ def run_calibration(url: str, models: Sequence[str], batch_sizes: Sequence[int] 
     Raises:
         RuntimeError: a model refused or failed (busy, KV pool too small, bad arguments).
     """
-    from tokenrouter.admin import calibrate
+    from tokenrouter.tools.admin import calibrate
 
     out: Dict[str, Any] = {"url": url, "context": int(context), "decode_steps": int(decode_steps),
                            "batch_sizes": [int(b) for b in batch_sizes], "models": {}}

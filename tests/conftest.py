@@ -18,7 +18,7 @@ from tritonserver import TritonServer  # noqa: E402  (tests/tritonserver.py)
 # The venv holds PyPI's torchvision (a CUDA build sglang imports) beside the CPU
 # torch; without this, `import transformers` fails in host-side tests with
 # "operator torchvision::nms does not exist". No-op where CUDA is present.
-from tokenrouter.sglang_cpu_compat import install as _cpu_compat  # noqa: E402
+from tokenrouter.engine.sglang_cpu_compat import install as _cpu_compat  # noqa: E402
 
 _cpu_compat()
 

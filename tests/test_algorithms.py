@@ -6,7 +6,7 @@ models with invalid configurations (loaded with --exit-on-error=false; their
 load errors are read from the repository index).  Every rule is checked on
 the ``routing_trace`` the router returns: per-output-token ``scores`` and the
 ``handoffs`` list (each with the score of its step) -- see
-tokenrouter.triton_router.
+tokenrouter.triton.router_model.
 """
 
 from __future__ import annotations

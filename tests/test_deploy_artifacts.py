@@ -1,5 +1,5 @@
 """Deployment artefacts: Dockerfiles, the container entrypoint, the model-repository renderer and
-the Kubernetes manifests (deploy/docker/, deploy/k8s/, tokenrouter.deployment).
+the Kubernetes manifests (deploy/docker/, deploy/k8s/, tokenrouter.tools.deployment).
 
 No container is built and no server is started: the Dockerfiles are parsed (dockerfile-parse)
 and every file they copy must be in the build context; the entrypoint runs with ``--dry-run``;
@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_backend_src"))
 
 from tokenrouter import deployment  # noqa: E402
-from tokenrouter.repository import read_config  # noqa: E402
+from tokenrouter.tools.repository import read_config  # noqa: E402
 
 DOCKER = os.path.join(ROOT, "deploy", "docker")
 K8S = os.path.join(ROOT, "deploy", "k8s")
@@ -110,7 +110,7 @@ def test_dockerfile_copies_exist_in_the_build_context(name):
 
 def test_dockerignore_keeps_what_the_images_need_and_drops_the_rest():
     patterns = _dockerignore()
-    for rel in ["deploy/docker/entrypoint.sh", "deploy/env.sh", "python_backend_src/tokenrouter/deployment.py",
+    for rel in ["deploy/docker/entrypoint.sh", "deploy/env.sh", "python_backend_src/tokenrouter/tools/deployment.py",
                 "backends/tokenrouter/model.py", "model_repository/llm/config.pbtxt", "scheduler_model/dtmc.py"]:
         assert os.path.isfile(os.path.join(ROOT, rel)), rel
         assert not _ignored(rel, patterns), f"{rel} is excluded from the build context"
@@ -236,7 +236,7 @@ def test_parse_remote_rejects_bad_specs(spec):
 
 def test_gpu_parameters_reach_sglang_server_args(tmp_path):
     """The names the gpu target writes are the ones the engine reads, and SGLang accepts the result."""
-    from tokenrouter.triton_common import llm_settings
+    from tokenrouter.triton.common import llm_settings
 
     out = str(tmp_path / "repo")
     ckpt = tmp_path / "ckpt"
@@ -245,7 +245,7 @@ def test_gpu_parameters_reach_sglang_server_args(tmp_path):
     deployment.render(SRC_REPO, out, target="gpu", models=["llm"], model_paths={"llm": str(ckpt)},
                       params={"llm": {"mem_fraction_static": "0.45", "attention_backend": "fa3"}})
     engine_kwargs, _ = llm_settings(_params(read_config(os.path.join(out, "llm", "config.pbtxt"))))
-    from tokenrouter.engine import EngineConfig, server_args_kwargs
+    from tokenrouter.engine.sglang_engine import EngineConfig, server_args_kwargs
 
     cfg = EngineConfig(**engine_kwargs, gpu_id=2)
     assert (cfg.device, cfg.cuda_graph, cfg.dtype, cfg.mem_fraction_static) == ("cuda", True, "bfloat16", 0.45)
@@ -317,12 +317,12 @@ def test_entrypoint_dry_run_prints_the_server_command_and_repository(tmp_path):
     loads = [argv[i + 1] for i, a in enumerate(argv) if a == "--load-model"]
     assert loads == ["llm", "slm", "token_router"]  # models before the router
     assert set(_dry_run_configs(r.stdout)) == set(loads)
-    assert "tokenrouter.openai_frontend" in r.stdout
+    assert "tokenrouter.tools.openai_frontend" in r.stdout
     assert not out.exists()  # a dry run writes nothing a real run uses
 
 
 def test_render_never_replaces_what_it_did_not_write(tmp_path):
-    from tokenrouter.deployment import DeploymentError, render
+    from tokenrouter.tools.deployment import DeploymentError, render
 
     src = tmp_path / "src"
     shutil.copytree(SRC_REPO, src)
@@ -505,7 +505,7 @@ def test_probes_cover_the_peers(rendered):
         c = _container(w)
         grpc = _ports(w)["grpc"]
         ready = c["readinessProbe"]["exec"]["command"]
-        assert ready[:3] == ["python", "-m", "tokenrouter.admin"]
+        assert ready[:3] == ["python", "-m", "tokenrouter.tools.admin"]
         assert _arg(ready, "--url") == f"127.0.0.1:{grpc}"
         op = ready[3]
         if w["kind"] == "Deployment":  # the router: a request through token_router and its peers
@@ -569,7 +569,7 @@ def test_pod_arguments_render_the_repository_each_pod_serves(tmp_path, overlay, 
             assert hosted == ["llm"]
             p = _params(read_config(str(repo / "llm" / "config.pbtxt")))
             assert p["peer_endpoint"] == f"tcp://0.0.0.0:{_ports(w)['peer']}"
-            assert "tokenrouter.openai_frontend" not in r.stdout
+            assert "tokenrouter.tools.openai_frontend" not in r.stdout
         for m in hosted:
             cfg = read_config(str(repo / m / "config.pbtxt"))
             p = _params(cfg)

@@ -10,7 +10,7 @@ import torch
 
 @pytest.fixture(scope="module")
 def engine():
-    from tokenrouter.engine import EngineConfig, SGLangEngine
+    from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
 
     path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
     e = SGLangEngine(EngineConfig(model_path=path, kv_pool_tokens=2048, max_running_requests=8, torch_threads=2))
@@ -72,7 +72,7 @@ def test_suspend_resume_matches_uninterrupted(engine):
 
 
 def test_release_is_idempotent_and_capacity_checked(engine):
-    from tokenrouter.engine import KVCapacityError
+    from tokenrouter.engine.sglang_engine import KVCapacityError
 
     s = engine.add("x", [1, 2, 3])
     engine.forward([s])
@@ -143,7 +143,7 @@ def test_cpu_prepacked_linear_weights_give_the_same_logits(engine, monkeypatch):
     "dual" as configured (1-3 rows row-major, more rows packed) and packed for every
     batch size.
     """
-    from tokenrouter.sglang_cpu_compat import _PrepackedLinear
+    from tokenrouter.engine.sglang_cpu_compat import _PrepackedLinear
 
     assert engine.prepacked_layers > 0, "the default engine should prepack its linear layers on the CPU"
     wrapped = [(m, m.quant_method) for m in engine.runner.model.modules()

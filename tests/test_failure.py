@@ -29,7 +29,7 @@ import pytest
 import requests
 import tritonclient.grpc as grpcclient
 
-from tokenrouter import admin
+from tokenrouter.tools import admin
 from tr_client import router_inputs, wait_kv_released
 from tritonserver import TritonServer
 

@@ -94,7 +94,7 @@ def test_size_realistic_config(smollm2_dir):
 
 
 def test_repository_variant_rejects_an_unknown_transport(repo_root, tmp_path):
-    from tokenrouter.repository import add_router, make_variant
+    from tokenrouter.tools.repository import add_router, make_variant
 
     out = tmp_path / "variant"
     with pytest.raises(ValueError, match="transport must be one of"):

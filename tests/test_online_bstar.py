@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tokenrouter import admin
-from tokenrouter.peer_channel import PeerClient
-from tokenrouter.repository import read_config, write_config
+from tokenrouter.routing.peer_channel import PeerClient
+from tokenrouter.tools import admin
+from tokenrouter.tools.repository import read_config, write_config
 from tr_client import generate, metric_values, wait_kv_released
 from tritonserver import TritonServer
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible front end (tokenrouter.openai_frontend) with real clients.
+"""The OpenAI-compatible front end (tokenrouter.tools.openai_frontend) with real clients.
 
 One front end process per module, in front of the session's tritonserver: the
 official ``openai`` client (chat and completions, streamed and not), LiteLLM
@@ -30,12 +30,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _start_frontend(triton_server, log, *extra: str):
-    """Start ``python -m tokenrouter.openai_frontend`` on a free port; return (process, base URL)
+    """Start ``python -m tokenrouter.tools.openai_frontend`` on a free port; return (process, base URL)
     once it is healthy."""
     port = free_ports(1)[0]
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenrouter.openai_frontend", "--triton-url", triton_server.grpc_url,
+            [sys.executable, "-m", "tokenrouter.tools.openai_frontend", "--triton-url", triton_server.grpc_url,
              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra],
             stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{port}"
@@ -66,7 +66,7 @@ def _stop(proc) -> None:
 
 @pytest.fixture(scope="module")
 def frontend(triton_server, tmp_path_factory):
-    """``python -m tokenrouter.openai_frontend`` on a free port; yields its base URL (``http://…:port``)."""
+    """``python -m tokenrouter.tools.openai_frontend`` on a free port; yields its base URL (``http://…:port``)."""
     proc, base = _start_frontend(triton_server, tmp_path_factory.mktemp("openai_frontend") / "frontend.log")
     try:
         yield base
@@ -81,8 +81,8 @@ def client(frontend):
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenrouter.openai_frontend import load_tokenizer
-    from tokenrouter.triton_common import resolve_model_path
+    from tokenrouter.tools.openai_frontend import load_tokenizer
+    from tokenrouter.triton.common import resolve_model_path
 
     return load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
 

@@ -15,9 +15,9 @@ import time
 import pytest
 import zmq
 
-from tokenrouter.curve import CurveClient, CurveServer, make_keys
-from tokenrouter.peer_channel import PeerClient, PeerDownError, PeerServer, parse_remote_models
-from tokenrouter.protocol import PeerReq
+from tokenrouter.routing.curve import CurveClient, CurveServer, make_keys
+from tokenrouter.routing.peer_channel import PeerClient, PeerDownError, PeerServer, parse_remote_models
+from tokenrouter.routing.protocol import PeerReq
 
 
 class _EchoSubserver:
@@ -235,7 +235,7 @@ def test_curve_settings_are_required_on_tcp(keys):
 
 def test_drive_visits_no_model_for_a_request_already_cancelled():
     """A request cancelled before its worker starts (it waited in the pool) sends nothing to a model."""
-    from tokenrouter.router_core import drive
+    from tokenrouter.routing.router_core import drive
 
     class NoModels:
         def segment(self, *a):

@@ -211,13 +211,13 @@ def test_dtmc_replay_predicts_a_recorded_sweep_with_and_without_the_wait_bound(t
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from tokenrouter.triton_common import resolve_model_path
+    from tokenrouter.triton.common import resolve_model_path
 
     return load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
 
 
 def test_token_arrival_times_replay_the_router_detokeniser(tokenizer):
-    from tokenrouter.detok import IncrementalDetokenizer
+    from tokenrouter.engine.detok import IncrementalDetokenizer
 
     ids = tokenizer._tokenizer.encode("Hello wörld ✓ and more ✓").ids
     d, chunks = IncrementalDetokenizer(tokenizer), []
@@ -238,7 +238,7 @@ def test_token_arrival_times_replay_the_router_detokeniser(tokenizer):
 
 
 def test_steady_load_against_the_server(triton_server, tokenizer):
-    from tokenrouter import admin
+    from tokenrouter.tools import admin
 
     url = triton_server.grpc_url
     prompts = ["Name a colour.", "Count to five."]
@@ -300,7 +300,7 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     else:
         assert "same_run_as" not in rows["tokenrouter"]
     # --algorithm-params is merged into the router's parameters (the demo's max_llm_run etc. kept)
-    from tokenrouter.repository import read_config
+    from tokenrouter.tools.repository import read_config
 
     cfg = read_config(str(out / "run-demo" / "model_repository" / "token_router" / "config.pbtxt"))
     params = json.loads(cfg.parameters["algorithm_params"].string_value)

@@ -36,9 +36,9 @@ import pytest
 import tritonclient.grpc as grpcclient
 import zmq
 
-from tokenrouter import admin
-from tokenrouter.curve import make_keys
-from tokenrouter.repository import make_variant
+from tokenrouter.routing.curve import make_keys
+from tokenrouter.tools import admin
+from tokenrouter.tools.repository import make_variant
 from tr_client import generate, model_stats, router_inputs, wait_kv_released
 from tritonserver import TritonServer, free_ports
 

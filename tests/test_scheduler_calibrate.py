@@ -8,7 +8,7 @@ from scheduler_model.calibrate import apply_calibration, load_calibration
 from scheduler_model.cli import main
 from scheduler_model.latency import calibration_points, fit_step_latency
 from scheduler_model.system import System
-from tokenrouter import admin
+from tokenrouter.tools import admin
 from tr_client import generate, model_stats, wait_kv_released
 
 SIZES = [1, 2, 4]

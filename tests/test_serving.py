@@ -27,7 +27,7 @@ N_TOKENS = 32
 @pytest.fixture(scope="module")
 def hf_greedy():
     """Greedy continuations of PROMPTS by plain transformers (fp32), N_TOKENS each, no EOS stop."""
-    from tokenrouter import sglang_cpu_compat
+    from tokenrouter.engine import sglang_cpu_compat
 
     sglang_cpu_compat.install()
     import torch
@@ -127,7 +127,7 @@ def test_eight_concurrent_streams_match_non_streamed(triton_server):
 
 def test_stream_interval_sends_the_first_token_at_once(triton_server):
     """Models' stream_interval K: the first chunk holds the first token alone, then K tokens a chunk."""
-    from tokenrouter import admin
+    from tokenrouter.tools import admin
 
     sp = {"max_tokens": 17, "temperature": 0, "ignore_eos": True, "routing_threshold": 1.0}  # never hands off
     one = grpc_stream(triton_server, PROMPTS[2], sp)
@@ -282,7 +282,7 @@ def test_cancelled_streams_free_kv_and_others_unaffected(triton_server):
 
 def test_garbage_to_internal_models_fails_alone(triton_server):
     """Bad work sent straight to a model subserver is rejected; concurrent requests are unharmed."""
-    from tokenrouter import admin
+    from tokenrouter.tools import admin
 
     sp = {"max_tokens": 24, "temperature": 0}
     reference = generate(triton_server, "Name three rivers:", sp)["text_output"]
@@ -343,7 +343,7 @@ def test_tiny_temperature_is_greedy_and_other_requests_unharmed(triton_server):
 def test_sampler_confines_a_failing_row():
     import torch
 
-    from tokenrouter.sampling import BatchSampler
+    from tokenrouter.engine.sampling import BatchSampler
 
     logits = torch.randn(3, 50)
     logits[1] = float("nan")  # e.g. a broken row: multinomial rejects it
@@ -356,12 +356,12 @@ def test_sampler_confines_a_failing_row():
 
 
 def test_admin_command_line(triton_server):
-    """`python -m tokenrouter.admin`: stats of both models as JSON, configure, clear errors."""
+    """`python -m tokenrouter.tools.admin`: stats of both models as JSON, configure, clear errors."""
     import subprocess
     import sys
 
     wait_kv_released(triton_server)
-    run = lambda *a: subprocess.run([sys.executable, "-m", "tokenrouter.admin", *a, "--url",  # noqa: E731
+    run = lambda *a: subprocess.run([sys.executable, "-m", "tokenrouter.tools.admin", *a, "--url",  # noqa: E731
                                      triton_server.grpc_url], capture_output=True, text=True, timeout=120)
     p = run("stats")
     assert p.returncode == 0, p.stderr

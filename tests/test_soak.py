@@ -2,7 +2,7 @@
 
 Before the ZeroMQ inter-model channel, minutes of such load could crash the
 router's Python stub (BLS response iterators driven from many threads). This
-runs ``tokenrouter.soak`` for a bounded time against the session's server and
+runs ``tokenrouter.tools.soak`` for a bounded time against the session's server and
 asserts its checks: nothing hung, no valid request failed, malformed requests
 were rejected, KV returned to zero on every model and the server still answers.
 Length: $TOKENROUTER_SOAK_SECONDS (default 60 s of load).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from tokenrouter.soak import run_soak
+from tokenrouter.tools.soak import run_soak
 
 
 def test_sustained_handoff_load(triton_server):

@@ -24,7 +24,9 @@ def test_advert_removed_after_the_server_died(tmp_path):
         import os, sys, tempfile, time
         sys.path.insert(0, {SRC!r})
         tempfile.tempdir = {str(tmp_path)!r}
-        from tokenrouter import lockstep, peer_channel, stub_guard
+        from tokenrouter.engine import lockstep
+        from tokenrouter.routing import peer_channel
+        from tokenrouter.triton import stub_guard
 
         r, w = os.pipe()
         if os.fork():  # the "server": exits once its stub has advertised
@@ -64,7 +66,7 @@ def test_advert_removed_after_the_server_died(tmp_path):
 
 def test_stub_parent_pid_from_the_command_line():
     """A Triton stub takes its server's pid from argv[5], whatever its parent is now."""
-    from tokenrouter.stub_guard import shm_region_path, stub_model, stub_parent_pid
+    from tokenrouter.triton.stub_guard import shm_region_path, stub_model, stub_parent_pid
 
     argv = [b"/x/triton_python_backend_stub", b"/m/model.py", b"region_1", b"1048576", b"1048576", b"4242",
             b"/x", b"336", b"llm_0_0", b"/x/tokenrouter"]
@@ -104,7 +106,7 @@ def _start_fake_stub(tmp_path, body: str, grace_s: float, reap: bool = True):
     model.write_text(textwrap.dedent(f"""
         import ctypes, os, sys
         sys.path.insert(0, {SRC!r})
-        from tokenrouter import stub_guard
+        from tokenrouter.triton import stub_guard
         reaper = stub_guard.start_reaper(grace_s={grace_s!r})
         with open({str(ready)!r} + ".tmp", "w") as f:
             f.write(f"{{os.getpid()}} {{reaper.pid}}")

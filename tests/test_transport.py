@@ -21,8 +21,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from scheduler_model.config_writer import update_config_text
-from tokenrouter.repository import add_router
-from tokenrouter.soak import run_soak
+from tokenrouter.tools.repository import add_router
+from tokenrouter.tools.soak import run_soak
 from tr_client import generate, grpc_stream, router_inputs, triton_stats, wait_kv_released
 from tritonserver import TritonServer
 
@@ -128,7 +128,7 @@ def test_cancel_mid_stream_frees_kv(server):
 def test_bad_input_fails_alone(server):
     """Bad client input gets a clear error; garbage sent straight to a model, batched by Triton
     together with routed work, fails alone while the routed request is unharmed."""
-    from tokenrouter import admin
+    from tokenrouter.tools import admin
 
     bad = generate(server, PROMPTS[0], {"max_tokens": 4, "temperature": -1}, model=ROUTER)
     assert bad["_status"] != 200 and "temperature" in bad.get("error", ""), bad

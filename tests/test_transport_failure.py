@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenrouter.repository import add_router
+from tokenrouter.tools.repository import add_router
 from test_failure import ALL_LLM, _kill, _kv_zero, _Seen, _Stream, _wait_llm_back
 from tritonserver import TritonServer
 

@@ -13,7 +13,7 @@ import numpy as np
 import requests
 import tritonclient.grpc as grpcclient
 
-from tokenrouter import admin
+from tokenrouter.tools import admin
 
 
 def generate(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, chat: bool = False,

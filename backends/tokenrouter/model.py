@@ -3,8 +3,8 @@
 One backend serves both kinds of TokenRouter model, chosen by the config
 parameter ``role``:
 
-* ``llm`` (default): one LLM subserver — ``tokenrouter.triton_llm``;
-* ``router``: the client-facing BLS router — ``tokenrouter.triton_router``.
+* ``llm`` (default): one LLM subserver — ``tokenrouter.triton.llm_model``;
+* ``router``: the client-facing BLS router — ``tokenrouter.triton.router_model``.
 
 The implementations live in the importable library (python_backend_src/); this
 file only prepares the stub's interpreter and dispatches, as vllm_backend's
@@ -34,7 +34,8 @@ def _setup():
     root = os.environ.get("TOKENROUTER_ROOT") or os.path.dirname(src)
     if os.path.isdir(os.path.join(root, "scheduler_model")) and root not in sys.path:
         sys.path.append(root)
-    from tokenrouter import sglang_cpu_compat, stub_guard
+    from tokenrouter.engine import sglang_cpu_compat
+    from tokenrouter.triton import stub_guard
 
     stub_guard.start_reaper()  # first: kills this stub if its server dies and leaves it hung
     sglang_cpu_compat.install()  # before transformers/sglang are imported; no-op with a GPU
@@ -50,9 +51,9 @@ class TritonPythonModel:
         params = json.loads(args["model_config"]).get("parameters") or {}
         role = (params.get("role") or {}).get("string_value", "llm") or "llm"
         if role == "router":
-            from tokenrouter.triton_router import TritonPythonModel as impl
+            from tokenrouter.triton.router_model import TritonPythonModel as impl
         elif role == "llm":
-            from tokenrouter.triton_llm import TritonPythonModel as impl
+            from tokenrouter.triton.llm_model import TritonPythonModel as impl
         else:
             raise ValueError(f"config parameter role must be 'llm' or 'router', got {role!r}")
         self._impl = impl()

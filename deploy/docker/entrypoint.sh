@@ -13,7 +13,7 @@ usage() {
     cat <<EOF
 Usage: $prog [options] [-- extra tritonserver args]
 
-Renders the model repository this server hosts (python -m tokenrouter.deployment)
+Renders the model repository this server hosts (python -m tokenrouter.tools.deployment)
 and starts tritonserver on it; the OpenAI-compatible API starts beside it once it is
 ready when this server hosts the router. Every option has an environment default.
 
@@ -126,7 +126,7 @@ for r in ${remotes[@]+"${remotes[@]}"}; do render_args+=(--remote "$r"); done
 [[ -n ${TOKENROUTER_LLM_PATH:-} ]] && render_args+=(--model-path "llm=$TOKENROUTER_LLM_PATH")
 for p in ${params[@]+"${params[@]}"}; do render_args+=(--param "$p"); done
 
-summary=$(python -m tokenrouter.deployment "${render_args[@]}") || exit 2
+summary=$(python -m tokenrouter.tools.deployment "${render_args[@]}") || exit 2
 mapfile -t hosted < <(python -c 'import json, sys; print("\n".join(json.loads(sys.argv[1])["models"]))' "$summary")
 has_router=0
 for m in "${hosted[@]}"; do [[ $m == token_router ]] && has_router=1; done
@@ -149,7 +149,7 @@ if ((dry_run)); then
     printf ' %q' "${server_args[@]}"
     printf '\n'
     if ((has_router && openai_port > 0)); then
-        echo "# then, once ready: python -m tokenrouter.openai_frontend --triton-url 127.0.0.1:$grpc_port --port $openai_port"
+        echo "# then, once ready: python -m tokenrouter.tools.openai_frontend --triton-url 127.0.0.1:$grpc_port --port $openai_port"
     fi
     echo "# rendered repository (a real run writes it to $repo_out):"
     for m in "${hosted[@]}"; do
@@ -185,7 +185,7 @@ while True:
         pass
     time.sleep(1)
 PY
-        exec python -m tokenrouter.openai_frontend --triton-url "127.0.0.1:$grpc_port" --port "$openai_port" \
+        exec python -m tokenrouter.tools.openai_frontend --triton-url "127.0.0.1:$grpc_port" --port "$openai_port" \
             --exit-with-pid "$$"
     ) &
 fi

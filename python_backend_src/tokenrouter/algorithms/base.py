@@ -4,7 +4,7 @@ Paper §Design, "Interface (request-centric)".  An algorithm is one class; an
 instance lives in each model's subserver (``model_index`` tells which model it
 serves among ``num_models``, in deployment order: model 0 is the SLM that writes
 by default).  After every forward step the subserver calls :meth:`route` with a
-:class:`~tokenrouter.protocol.StepResult`:
+:class:`~tokenrouter.routing.protocol.StepResult`:
 
 * ``0`` — stay: the sampled token is committed and the request keeps decoding here;
 * ``k >= 1`` — hand over to peer ``k``: the ``k``-th entry of :meth:`peers`
@@ -37,7 +37,7 @@ import math
 import struct
 from typing import Any, Callable, Dict, List, Optional
 
-from ..protocol import PeerReq, Status, StepResult
+from ..routing.protocol import PeerReq, Status, StepResult
 
 __all__ = ["RoutingAlgorithm", "ParamSpec", "request_uniform", "request_key"]
 
@@ -191,7 +191,7 @@ class RoutingAlgorithm:
         """Pack a PeerReq: the tokens this model committed since its anchor ``req.loc``.
 
         Args:
-            req: the model-local request (:class:`~tokenrouter.subserver.LocalRequest`).
+            req: the model-local request (:class:`~tokenrouter.engine.subserver.LocalRequest`).
         """
         return dataclasses.replace(req.header, tokens=list(req.seq.tokens[req.loc:]),
                                    status=Status.RUNNING, extras=dict(req.header.extras))

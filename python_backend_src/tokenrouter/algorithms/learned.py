@@ -137,7 +137,7 @@ def resolve_router_path(path: str) -> str:
         if os.path.isfile(c):
             return os.path.abspath(c)
     raise ValueError(f"router file {path!r} not found (looked at {cands}); train one with "
-                     f"`python -m tokenrouter.train_routers` (docs/algorithms/)")
+                     f"`python -m tokenrouter.tools.train_routers` (docs/algorithms/)")
 
 
 def load_router(path: str, kind: Optional[str] = None) -> RouterFile:

@@ -27,7 +27,7 @@ Gauges
     ``tokenrouter:num_requests_waiting``          accepted, waiting for a router worker
 
 The per-model KV gauges (``tokenrouter_kv_tokens_in_use`` …) are published by
-the model subservers (:mod:`tokenrouter.triton_llm`).
+the model subservers (:mod:`tokenrouter.triton.llm_model`).
 
 Every call into ``pb_utils`` is an IPC to the server, so :class:`RouterMetrics`
 is used from one thread only (the router's client I/O thread); request threads
@@ -106,7 +106,7 @@ class RequestObservation:
 
 def observe_request(arrival_t: float, end_t: float, routed, models: List[str],
                     worker_start_t: Optional[float] = None) -> RequestObservation:
-    """Build a :class:`RequestObservation` from a :class:`~tokenrouter.router_core.RoutedRequest`.
+    """Build a :class:`RequestObservation` from a :class:`~tokenrouter.routing.router_core.RoutedRequest`.
 
     Args:
         arrival_t: ``time.monotonic()`` when ``execute`` received the request.

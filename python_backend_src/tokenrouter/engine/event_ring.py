@@ -1,10 +1,10 @@
 """Bounded buffer of a model's recent routing events, read with a cursor (op ``events``).
 
-Each LLM model keeps the routing events its :class:`~tokenrouter.subserver.Subserver`
+Each LLM model keeps the routing events its :class:`~tokenrouter.engine.subserver.Subserver`
 emits (``step`` and ``handoff``, the format of :mod:`scheduler_model.profile`; ``t`` is
 ``time.time()`` in seconds, comparable across the models of one host) in an
 :class:`EventRing`.  A reader — the router's online B* adaptation
-(:mod:`tokenrouter.online_bstar`) — asks for the events after its cursor and gets the
+(:mod:`tokenrouter.routing.online_bstar`) — asks for the events after its cursor and gets the
 new cursor back, so each event is read once without the model tracking readers.
 
 Cursors are sequence numbers: event k (0-based, counted since the model started) has

@@ -5,7 +5,7 @@ bursty real traffic calls for online adaptation).  With ``online_adaptation: tru
 router (``token_router``), one thread of the router (:class:`OnlineBStar`):
 
 1. every ``online_interval_s`` seconds pulls each model's new routing events (``step`` and
-   ``handoff``; op ``events`` of the models, :mod:`tokenrouter.event_ring`) over the ZeroMQ
+   ``handoff``; op ``events`` of the models, :mod:`tokenrouter.engine.event_ring`) over the ZeroMQ
    channel, and samples the router's live requests every :data:`SAMPLE_S` seconds;
 2. feeds both to :class:`scheduler_model.online.OnlineAdapter` (sliding window of
    ``online_window_s`` seconds, N = a low quantile of the live-request samples, hysteresis,
@@ -104,7 +104,7 @@ class OnlineSettings:
         Raises:
             ValueError: a malformed value, naming the parameter (the router then fails to load).
         """
-        from .triton_common import param
+        from ..triton.common import param
 
         s = cls(enabled=param(params, "online_adaptation", False, bool),
                 interval_s=param(params, "online_interval_s", 2.0, float),
@@ -204,7 +204,7 @@ class OnlineBStar:
         settings: :class:`OnlineSettings` (``enabled`` must be true).
         models: the router's models, deployment order.
         router: the router's model name (metric label).
-        peers: the router's :class:`~tokenrouter.peer_channel.PeerClient` (``call`` is thread-safe).
+        peers: the router's :class:`~tokenrouter.routing.peer_channel.PeerClient` (``call`` is thread-safe).
         live_requests: callable → number of requests the router is driving now.
         on_io: callable(fn) running ``fn`` on the router's client-I/O thread.
         pb: ``triton_python_backend_utils`` (metric families), or None for no metrics.
@@ -305,7 +305,7 @@ class OnlineBStar:
     # ------------------------------------------------------------ steps
     def _pull(self) -> Dict[str, int]:
         """New events of every reachable model into the adapter; returns {model: its current B}."""
-        from .event_ring import MAX_EVENTS_PER_ANSWER
+        from ..engine.event_ring import MAX_EVENTS_PER_ANSWER
 
         events: List[Dict[str, Any]] = []
         actual: Dict[str, int] = {}

@@ -31,10 +31,10 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
-from .algorithms import RoutingAlgorithm, get_algorithm
-from .engine import Sequence
-from .protocol import FinishReason, PeerReq, StepResult
+from ..algorithms import RoutingAlgorithm, get_algorithm
+from ..routing.protocol import FinishReason, PeerReq, StepResult
 from .sampling import BatchSampler, normalized_entropy, validate_sampling
+from .sglang_engine import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class SubserverConfig:
         readmit_on_resume: std-serving baseline — a returning request is
             re-admitted as new: its KV is freed and its whole context
             re-prefilled (no pending state).
-        lockstep: lock-step baseline — a :class:`~tokenrouter.lockstep.TurnRing`
+        lockstep: lock-step baseline — a :class:`~tokenrouter.engine.lockstep.TurnRing`
             this model steps in turn with its peers, or None (own pace).
     """
 
@@ -108,7 +108,7 @@ class Subserver:
     """Decode loop of one model.
 
     Args:
-        engine: an :class:`~tokenrouter.engine.SGLangEngine` (owned by the loop thread).
+        engine: an :class:`~tokenrouter.engine.sglang_engine.SGLangEngine` (owned by the loop thread).
         name: this model's name; a PeerReq's ``models`` list locates it (its
             index there is the ``model_index`` its routing algorithm sees).
         config: :class:`SubserverConfig`.
@@ -176,7 +176,7 @@ class Subserver:
                   timeout: float = 3600.0) -> Dict[str, Any]:
         """Time synthetic steps at controlled batch sizes on the loop thread (step-latency calibration).
 
-        Runs :meth:`tokenrouter.engine.SGLangEngine.calibrate` between two steps of the decode
+        Runs :meth:`tokenrouter.engine.sglang_engine.SGLangEngine.calibrate` between two steps of the decode
         loop, so no real step overlaps it; requests arriving meanwhile wait in the inbox.
 
         Returns:

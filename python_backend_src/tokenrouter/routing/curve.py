@@ -17,7 +17,7 @@ and the secret key.  :func:`make_keys` writes the set a deployment needs::
     DIR/router.key, DIR/router.key_secret     the routers' key pair
     DIR/authorized_keys/router.key            public keys the models accept
 
-(``python -m tokenrouter.admin keys DIR`` or ``deploy/serve --keys DIR``.)
+(``python -m tokenrouter.tools.admin keys DIR`` or ``deploy/serve --keys DIR``.)
 
 Config parameters
 
@@ -180,14 +180,14 @@ class CurveServer:
         if not key or not auth:
             raise ValueError(f"model {model}: peer_endpoint {endpoint} is TCP, so CURVE authentication is on: "
                              "set curve_secret_key_file and curve_authorized_keys_dir (make keys with "
-                             "`python -m tokenrouter.admin keys DIR`), or set curve to off on a trusted network")
+                             "`python -m tokenrouter.tools.admin keys DIR`), or set curve to off on a trusted network")
         return cls(key, auth)
 
     def secure(self, ctx: "zmq.Context", sock: "zmq.Socket") -> None:
         """Start the ZAP handler of ``ctx`` and make ``sock`` a CURVE server (before ``bind``)."""
         from zmq.auth.thread import ThreadAuthenticator
 
-        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("tokenrouter.curve.zap"))
+        self._auth = ThreadAuthenticator(ctx, log=logging.getLogger("tokenrouter.routing.curve.zap"))
         self._auth.start()
         self._auth.configure_curve(domain="*", location=self.authorized_keys_dir)
         sock.curve_secretkey = self.secret
@@ -254,7 +254,7 @@ class CurveClient:
         if not key or not servers:
             raise ValueError(f"remote models {', '.join(tcp)} are reached over TCP, so CURVE authentication is "
                              "on: set curve_secret_key_file and curve_server_public_keys (make keys with "
-                             "`python -m tokenrouter.admin keys DIR`), or set curve to off on a trusted network")
+                             "`python -m tokenrouter.tools.admin keys DIR`), or set curve to off on a trusted network")
         client = cls(key, servers)
         for m in tcp:
             client.server_key(m)  # a missing key fails the load, not the first request

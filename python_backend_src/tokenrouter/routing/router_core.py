@@ -4,8 +4,8 @@ Paper §Design, "Three decoupled loops": the inter-model loop forwards a
 handing-off model's PeerReq, with the token suffix the peer has not seen, to
 that peer.  :func:`drive` runs one request through the models until it ends;
 the *transport* reaches the models — the ZeroMQ channel
-(:class:`tokenrouter.peer_channel.PeerClient`), used by ``token_router`` and by
-the no-Triton baseline :mod:`tokenrouter.direct`.
+(:class:`tokenrouter.routing.peer_channel.PeerClient`), used by ``token_router`` and by
+the no-Triton baseline :mod:`tokenrouter.routing.direct`.
 
 A transport has two methods:
 
@@ -17,7 +17,7 @@ A transport has two methods:
   is noticed even when the model sends nothing;
 * ``release(model, rid)`` → frees the request's state on ``model``.
 
-A transport raises :class:`~tokenrouter.peer_channel.PeerDownError` (it has a
+A transport raises :class:`~tokenrouter.routing.peer_channel.PeerDownError` (it has a
 ``model`` attribute) when a model's process is gone.  :func:`drive` then either
 fails the request (``fallback=False``, the ``on_peer_failure: fail`` mode) or
 goes on on a live model (``fallback=True``): from its pending state there when
@@ -94,7 +94,7 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
         header: the initial PeerReq (tokens empty; ``models`` names the deployment).
         prompt_ids: prompt token ids.
         first_model: index of the model that writes first.
-        detok: an :class:`~tokenrouter.detok.IncrementalDetokenizer` (handles stop strings).
+        detok: an :class:`~tokenrouter.engine.detok.IncrementalDetokenizer` (handles stop strings).
         on_delta: called with each releasable text delta (streaming).
         cancelled: polled between responses; True ends the request as ``cancelled``.
         fallback: when a model is down, go on on a live model instead of failing
@@ -247,7 +247,7 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> List[int]:
 
 def make_header(rid: str, sp, algorithm: str, params: Dict[str, Any], models: List[str],
                 stop_ids: List[int]) -> PeerReq:
-    """The first PeerReq of a request from validated :class:`~tokenrouter.sampling.SamplingParams`."""
+    """The first PeerReq of a request from validated :class:`~tokenrouter.engine.sampling.SamplingParams`."""
     stops = ([] if sp.ignore_eos else list(stop_ids)) + [t for t in getattr(sp, "stop_token_ids", [])
                                                            if t not in stop_ids]
     return PeerReq(rid=rid, max_tokens=sp.max_tokens, stop_token_ids=stops,

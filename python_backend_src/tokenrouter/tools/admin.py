@@ -5,21 +5,21 @@ answered by one final response whose ``event`` output is JSON.
 
 Command line (prints JSON)::
 
-    python -m tokenrouter.admin stats                       # slm and llm at localhost:8001
-    python -m tokenrouter.admin stats --models llm --url host:8001
-    python -m tokenrouter.admin configure --models llm '{"delayed_batch_size": 2}'
-    python -m tokenrouter.admin calibrate --models slm,llm '{"batch_sizes": [1, 2, 4, 8], "context": 256}'
-    python -m tokenrouter.admin events --models llm '{"since": 0, "limit": 100}'   # recent routing events
+    python -m tokenrouter.tools.admin stats                       # slm and llm at localhost:8001
+    python -m tokenrouter.tools.admin stats --models llm --url host:8001
+    python -m tokenrouter.tools.admin configure --models llm '{"delayed_batch_size": 2}'
+    python -m tokenrouter.tools.admin calibrate --models slm,llm '{"batch_sizes": [1, 2, 4, 8], "context": 256}'
+    python -m tokenrouter.tools.admin events --models llm '{"since": 0, "limit": 100}'   # recent routing events
 
 (``python -m scheduler_model calibrate`` does the same and writes the file its ``profile`` and
 ``solve`` take with ``--calibration``.)
 
-    python -m tokenrouter.admin ready                       # readiness probe covering every model
-    python -m tokenrouter.admin keys DIR                    # CURVE keys for models served over TCP
+    python -m tokenrouter.tools.admin ready                       # readiness probe covering every model
+    python -m tokenrouter.tools.admin keys DIR                    # CURVE keys for models served over TCP
 
 ``keys`` writes DIR/server.key(_secret) (the models'), DIR/router.key(_secret) (the
 routers') and DIR/authorized_keys/router.key; existing keys are kept unless ``--force``
-(see :mod:`tokenrouter.curve`).
+(see :mod:`tokenrouter.routing.curve`).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def events(url: str, model: str, since: int = 0, limit: Optional[int] = None) ->
     Returns:
         ``{"kind": "events", "model", "events": [...], "cursor" (the next ``since``), "dropped",
         "reset", "delayed_batch_size", "delayed_batch_max_wait_us"}``
-        (:meth:`tokenrouter.event_ring.EventRing.read`).
+        (:meth:`tokenrouter.engine.event_ring.EventRing.read`).
 
     Raises:
         RuntimeError: bad arguments (``since`` < 0, ``limit`` outside 1..5000).
@@ -166,7 +166,7 @@ def main(argv=None) -> int:
     import argparse
     import sys
 
-    ap = argparse.ArgumentParser(prog="python -m tokenrouter.admin", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.admin", description=__doc__.split("\n\n")[0])
     ap.add_argument("op", choices=["stats", "configure", "calibrate", "events", "ready", "keys"])
     ap.add_argument("settings", nargs="?", default="",
                     help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'; "
@@ -184,7 +184,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0, help="ready: seconds to wait (default 30)")
     a = ap.parse_intermixed_args(argv)
     if a.op == "keys":
-        from .curve import make_keys
+        from ..routing.curve import make_keys
 
         if not a.settings:
             ap.error("keys needs the folder to write the keys into")

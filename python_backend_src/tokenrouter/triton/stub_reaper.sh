@@ -1,5 +1,5 @@
 #!/bin/sh
-# Reaper of one Triton Python stub (tokenrouter.stub_guard.start_reaper starts it).
+# Reaper of one Triton Python stub (tokenrouter.triton.stub_guard.start_reaper starts it).
 #
 #   stub_reaper.sh SERVER SERVER_START STUB STUB_START REGION TMPDIR GRACE
 #

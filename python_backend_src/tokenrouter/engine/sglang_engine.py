@@ -66,7 +66,7 @@ class EngineConfig:
             resumed) and sequences to decode, run them all as one extend batch
             instead of two forwards.
         cpu_linear_weights: CPU hosts only (see
-            :func:`tokenrouter.sglang_cpu_compat.prepack_linear_weights`):
+            :func:`tokenrouter.engine.sglang_cpu_compat.prepack_linear_weights`):
             ``"dual"`` packs the linear weights for oneDNN once at load time and,
             for float32 weights, keeps the row-major ones for steps of 1-3 rows
             (batched steps then cost little more than single ones; linear weights

@@ -116,7 +116,7 @@ class StepResult:
         step: decoding step index of the request (0 = first output token).
         hidden: last hidden state, float32 tensor ``[H]``, when captured.
         logits: next-token logits, float32 tensor ``[V]``.
-        state: the model-local :class:`~tokenrouter.subserver.LocalRequest`.
+        state: the model-local :class:`~tokenrouter.engine.subserver.LocalRequest`.
     """
 
     rid: str

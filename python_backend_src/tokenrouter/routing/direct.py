@@ -2,7 +2,7 @@
 
 Each model runs in its own worker process (SGLang keeps one model per process)
 with exactly the engine, decode loop and ZeroMQ inter-model channel the Triton
-models use; the router logic (:mod:`tokenrouter.router_core`) runs in the
+models use; the router logic (:mod:`tokenrouter.routing.router_core`) runs in the
 calling process.  This is the benchmark's ``no-triton`` baseline: the limit the
 Triton path is measured against (what it removes is Triton's client
 request/response path and the Python backend stub's IPC).
@@ -19,12 +19,12 @@ __all__ = ["DirectCluster"]
 
 
 def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, Any], cmd_q, out_q) -> None:
-    from . import sglang_cpu_compat
+    from ..engine import sglang_cpu_compat
 
     sglang_cpu_compat.install()
-    from .engine import EngineConfig, SGLangEngine
+    from ..engine.sglang_engine import EngineConfig, SGLangEngine
+    from ..engine.subserver import Subserver, SubserverConfig
     from .peer_channel import PeerServer
-    from .subserver import Subserver, SubserverConfig
 
     sub = Subserver(SGLangEngine(EngineConfig(**engine_kwargs)), name, SubserverConfig(**sched_kwargs))
     server = PeerServer(sub)
@@ -39,8 +39,8 @@ class DirectCluster:
 
     Args:
         models: ``{name: (engine_kwargs, subserver_kwargs)}`` in deployment order
-            (keyword arguments of :class:`~tokenrouter.engine.EngineConfig` and
-            :class:`~tokenrouter.subserver.SubserverConfig`).
+            (keyword arguments of :class:`~tokenrouter.engine.sglang_engine.EngineConfig` and
+            :class:`~tokenrouter.engine.subserver.SubserverConfig`).
         start_timeout_s: seconds to wait for every model to load.
 
     Raises:
@@ -75,7 +75,7 @@ class DirectCluster:
         return {p.name[len("direct-"):]: p.pid for p in self._procs}
 
     def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
-        """One visit of ``rid`` to ``model`` (see :meth:`tokenrouter.peer_channel.PeerClient.segment`)."""
+        """One visit of ``rid`` to ``model`` (see :meth:`tokenrouter.routing.peer_channel.PeerClient.segment`)."""
         return self.peers.segment(model, rid, tokens, header)
 
     def release(self, model: str, rid: str) -> None:
@@ -114,12 +114,12 @@ class DirectRouter:
 
     def __init__(self, cluster: DirectCluster, models: List[str], tokenizer_path: str, algorithm: str,
                  params: Optional[Dict[str, Any]] = None):
-        from . import sglang_cpu_compat
+        from ..engine import sglang_cpu_compat
 
         sglang_cpu_compat.install()
         from transformers import AutoTokenizer
 
-        from .algorithms import get_algorithm
+        from ..algorithms import get_algorithm
         from .router_core import stop_token_ids
 
         self.cluster, self.models, self.algorithm = cluster, list(models), algorithm
@@ -139,9 +139,9 @@ class DirectRouter:
         """One request; returns the fields ``token_router`` would (text, counts, routing_summary)."""
         import json
 
-        from .detok import IncrementalDetokenizer
+        from ..engine.detok import IncrementalDetokenizer
+        from ..engine.sampling import parse_sampling_parameters
         from .router_core import drive, encode_prompt, make_header
-        from .sampling import parse_sampling_parameters
 
         sp = parse_sampling_parameters(json.dumps(sampling))
         rid = f"direct-{next(self._ids)}"

@@ -1,7 +1,7 @@
 """Train the learned routers (CITER, R2R, Co-LLM) for an SLM/LLM pair on the CPU.
 
-    python -m tokenrouter.train_routers                      # the demo pair -> tokenrouter/routers/
-    python -m tokenrouter.train_routers --r2r-width 1024     # R2R's published 6×1024 router
+    python -m tokenrouter.tools.train_routers                      # the demo pair -> tokenrouter/routers/
+    python -m tokenrouter.tools.train_routers --r2r-width 1024     # R2R's published 6×1024 router
 
 Data (R2R-style labelling, one forward pass per model, teacher-forced):
 
@@ -43,16 +43,16 @@ import sys
 import time
 from typing import Dict, List, Tuple
 
-from . import sglang_cpu_compat
+from ..engine import sglang_cpu_compat
 
 sglang_cpu_compat.install()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from .algorithms.learned import ROUTERS_DIR, build_router, save_router  # noqa: E402
+from ..algorithms.learned import ROUTERS_DIR, build_router, save_router  # noqa: E402
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def fake_quantize_(model: nn.Module, bits: int, group: int) -> int:
@@ -199,7 +199,7 @@ def train(kind: str, arch: Dict[str, int], x: torch.Tensor, y: torch.Tensor, tra
 
 def main(argv=None) -> int:
     wdir = os.environ.get("TOKENROUTER_WEIGHTS") or os.path.expanduser("~/.cache/tokenrouter/weights")
-    ap = argparse.ArgumentParser(prog="python -m tokenrouter.train_routers", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.train_routers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--slm", default=os.path.join(wdir, "smollm2-135m-instruct"), help="served SLM checkpoint")
     ap.add_argument("--llm", default=None, help="LLM checkpoint (default: the SLM's -- the demo pair)")
     ap.add_argument("--label-slm", choices=("auto", "served", "fakequant"), default="auto",
@@ -256,7 +256,7 @@ def main(argv=None) -> int:
                    "label_slm": label_desc, "label": "argmax(label SLM) != argmax(LLM) on LLM greedy trajectories",
                    "prompts": os.path.relpath(a.prompts, REPO_ROOT) if a.prompts.startswith(REPO_ROOT) else a.prompts,
                    "max_new_tokens": a.max_new_tokens, "positions": n, "seed": a.seed,
-                   "command": "python -m tokenrouter.train_routers " + " ".join(argv if argv is not None
+                   "command": "python -m tokenrouter.tools.train_routers " + " ".join(argv if argv is not None
                                                                                 else sys.argv[1:])}
     summary = {}
 

@@ -2,8 +2,8 @@
 
 Usage::
 
-    python -m tokenrouter.cli "What is the capital of France?"
-    python -m tokenrouter.cli --url localhost:8001 --max-tokens 128 --temperature 0.7 --trace "Tell me a story"
+    python -m tokenrouter.tools.cli "What is the capital of France?"
+    python -m tokenrouter.tools.cli --url localhost:8001 --max-tokens 128 --temperature 0.7 --trace "Tell me a story"
 
 Uses Triton's gRPC streaming API (tritonclient), as any Triton client would.
 """
@@ -137,7 +137,7 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
 
 def main(argv: Optional[list] = None) -> int:
     """CLI entry point; returns the process exit code."""
-    ap = argparse.ArgumentParser(prog="python -m tokenrouter.cli", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.cli", description=__doc__.split("\n\n")[0])
     ap.add_argument("prompt")
     ap.add_argument("--url", default=f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT', '8001')}",
                     help="gRPC address (default localhost:$TOKENROUTER_GRPC_PORT or 8001)")

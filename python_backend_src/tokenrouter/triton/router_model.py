@@ -17,7 +17,7 @@ Inputs
                                           frequency_penalty, min_tokens, stop_token_ids,
                                           include_stop_str_in_output, skip_special_tokens,
                                           logprobs (vllm_backend value forms: "32",
-                                          "true", null = default; see tokenrouter.sampling).
+                                          "true", null = default; see tokenrouter.engine.sampling).
                                           Absent: the request's parameters are read instead
                                           (HTTP generate "parameters", gRPC parameters).
     ``exclude_input_in_output`` BOOL [1]  non-streaming only: omit the prompt (default false)
@@ -53,26 +53,26 @@ the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 it needs is down; see :class:`_PeerFailure`), ``peer_restart_s`` (seconds between
 two attempts to get a dead model restarted), ``transport`` (below),
 ``online_adaptation`` and the other ``online_*`` parameters (B* adapted while
-serving: :mod:`tokenrouter.online_bstar`), ``remote_models`` (models served by
+serving: :mod:`tokenrouter.routing.online_bstar`), ``remote_models`` (models served by
 other tritonservers: JSON ``{"llm": "tcp://host:port"}``, or a list of endpoints
 for replicas ``{"llm": ["tcp://h1:p", "tcp://h2:p"]}``), ``heartbeat_interval_s``
 and ``heartbeat_timeout_s`` (remote replicas are pinged every 0.5 s and are down
 after 2 s without an answer), ``curve`` (``on`` default / ``off``),
 ``curve_secret_key_file`` and ``curve_server_public_keys`` (CURVE on TCP: see
-:mod:`tokenrouter.curve`).
+:mod:`tokenrouter.routing.curve`).
 
-Models are reached over the ZeroMQ channel of :mod:`tokenrouter.peer_channel`:
+Models are reached over the ZeroMQ channel of :mod:`tokenrouter.routing.peer_channel`:
 a model of ``remote_models`` at its listed endpoints (new requests spread over its
 replicas, each request staying on the replica that holds its state); any other
 model's endpoint is read from its advert file or asked once with a BLS call
 (op ``endpoint``).  That is ``transport: zmq`` (default); with ``transport:
 triton`` every visit of a request to a model is a decoupled BLS request to it
-(:mod:`tokenrouter.triton_transport`), so handoffs pass Triton's scheduler and
+(:mod:`tokenrouter.triton.transport`), so handoffs pass Triton's scheduler and
 dynamic batcher (models in this server only: no ``remote_models``).
 
 LLM-serving metrics (TTFT, time per output token, end-to-end, queue and
 handoff latency histograms; token, request and handoff counters; running and
-waiting gauges) go to Triton's metrics endpoint: see :mod:`tokenrouter.metrics`.
+waiting gauges) go to Triton's metrics endpoint: see :mod:`tokenrouter.triton.metrics`.
 
 Threads (paper §Design, three decoupled loops): ``execute`` parses and queues;
 one worker per request runs the inter-model loop (:func:`router_core.drive`);
@@ -82,7 +82,7 @@ into the Python backend's response or metrics API at once (besides ``execute``
 reading its requests).  With ``transport: triton`` the BLS streams of the
 segments run on their own *pump* threads, which only make BLS calls and read
 their responses; why that is safe in the Triton 2.51 stub, and the fence the
-client I/O thread runs for them, is explained in :mod:`tokenrouter.triton_transport`.
+client I/O thread runs for them, is explained in :mod:`tokenrouter.triton.transport`.
 """
 
 from __future__ import annotations
@@ -100,18 +100,18 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..algorithms import get_algorithm
+from ..engine.detok import IncrementalDetokenizer
+from ..engine.sampling import SamplingParams, parse_sampling_parameters
+from ..routing.curve import CurveClient
+from ..routing.peer_channel import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert,
+                                    remove_advert, write_advert)
+from ..routing.protocol import FinishReason
+from ..routing.router_core import drive, encode_prompt, make_header, stop_token_ids
 from . import model_control
-from .algorithms import get_algorithm
-from .detok import IncrementalDetokenizer
+from .common import model_parameters, param, resolve_model_path
 from .metrics import RouterMetrics, observe_request
-from .curve import CurveClient
-from .peer_channel import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert, remove_advert,
-                           write_advert)
-from .protocol import FinishReason
-from .router_core import drive, encode_prompt, make_header, stop_token_ids
-from .sampling import SamplingParams, parse_sampling_parameters
-from .triton_common import model_parameters, param, resolve_model_path
-from .triton_transport import TritonTransport
+from .transport import TritonTransport
 
 logger = logging.getLogger(__name__)
 
@@ -308,12 +308,12 @@ class TritonPythonModel:
             return None
 
     def _online_settings(self, p: Dict[str, str]):
-        """The ``online_*`` parameters (:class:`tokenrouter.online_bstar.OnlineSettings`).
+        """The ``online_*`` parameters (:class:`tokenrouter.routing.online_bstar.OnlineSettings`).
 
         Raises:
             pb_utils.TritonModelException: a malformed ``online_*`` parameter (the model fails to load).
         """
-        from .online_bstar import OnlineSettings
+        from ..routing.online_bstar import OnlineSettings
 
         try:
             return OnlineSettings.from_parameters(p, self.models)
@@ -321,8 +321,8 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(str(e)) from None
 
     def _init_online(self, settings):
-        """The online B* adaptation (:mod:`tokenrouter.online_bstar`) if ``online_adaptation`` is on, else None."""
-        from .online_bstar import OnlineBStar
+        """The online B* adaptation (:mod:`tokenrouter.routing.online_bstar`) if ``online_adaptation`` is on, else None."""
+        from ..routing.online_bstar import OnlineBStar
 
         if not settings.enabled:
             return None
@@ -658,10 +658,10 @@ class _PeerFailure:
     """What the router does about models that are down (issue: a dead model must not take
     routed requests down with it).
 
-    * **Detection**: :class:`~tokenrouter.peer_channel.PeerClient` watches each model's
+    * **Detection**: :class:`~tokenrouter.routing.peer_channel.PeerClient` watches each model's
       stub process (pid and start time from its advert or endpoint answer, checked
       every 0.25 s); when it exits, requests waiting on it end at once with
-      :class:`~tokenrouter.peer_channel.PeerDownError` and :meth:`on_down` runs.
+      :class:`~tokenrouter.routing.peer_channel.PeerDownError` and :meth:`on_down` runs.
     * ``on_peer_failure = "fail"`` (default): those requests get an error naming the
       model, and new requests are refused at once (:meth:`refusal`) until it is back.
     * ``on_peer_failure = "fallback"``: requests go on on a live model (SLM-only),
@@ -834,7 +834,7 @@ class _PeerFailure:
 
         Where the server runs with ``--model-control-mode=explicit`` (as
         ``deploy/serve`` does), the model is unloaded and loaded again through the
-        model-control API (:func:`tokenrouter.model_control.reload`: over the
+        model-control API (:func:`tokenrouter.triton.model_control.reload`: over the
         server's HTTP endpoint, so this stub's responses keep flowing), on this
         thread (a load takes as long as the model's initialisation).  Several
         routers of one server may find the same model down: one reloads it (the

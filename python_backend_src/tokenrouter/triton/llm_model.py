@@ -1,10 +1,10 @@
 """Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
 
 A router with ``transport: zmq`` reaches the model over the ZeroMQ inter-model
-channel (:mod:`tokenrouter.peer_channel`: a ROUTER socket at ``peer_endpoint``,
+channel (:mod:`tokenrouter.routing.peer_channel`: a ROUTER socket at ``peer_endpoint``,
 default a fresh ``ipc://`` path, which op ``endpoint`` reports).  The same
 operations are served as Triton requests: a router with ``transport: triton``
-(:mod:`tokenrouter.triton_transport`) sends every segment that way, and admin
+(:mod:`tokenrouter.triton.transport`) sends every segment that way, and admin
 tools and tests use them.  The ``run`` requests of one ``execute`` call — the
 arrivals Triton's dynamic batcher grouped — enter the decode loop as one group,
 so they share a step (docs/transport.md: how the batcher and the loop's own
@@ -25,7 +25,7 @@ Inputs
                                "decode_steps"}; times synthetic steps on an idle model:
                                see _start_calibration)
     ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
-    ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.protocol.PeerReq`)
+    ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.routing.protocol.PeerReq`)
 
 Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
     ``output_ids`` INT64 [-1]  tokens committed by this model in this chunk
@@ -38,18 +38,18 @@ Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
 ``drain_timeout_s`` (an unload waits this long for the requests the model holds; default 30),
 ``peer_endpoint`` (the inter-model channel's endpoint: default a fresh ``ipc://`` path;
 ``tcp://0.0.0.0:PORT`` serves routers of other servers, see ``remote_models`` in
-:mod:`tokenrouter.triton_router`), ``curve`` (``on`` default / ``off``: CURVE on a TCP
+:mod:`tokenrouter.triton.router_model`), ``curve`` (``on`` default / ``off``: CURVE on a TCP
 endpoint), ``curve_secret_key_file`` and ``curve_authorized_keys_dir`` (see
-:mod:`tokenrouter.curve`), ``router_timeout_s`` (TCP: a router silent this long has its
+:mod:`tokenrouter.routing.curve`), ``router_timeout_s`` (TCP: a router silent this long has its
 requests released; default 10), ``lockstep_group`` (lock-step baseline: comma-separated
 models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}``
 is replaced by the model name), ``capture_hidden`` (return the last hidden
 state of every step to the routing algorithm: needed on model 0 by the learned
 routers of CITER, R2R and Co-LLM), ``cpu_linear_weights`` (CPU hosts: ``dual``
-default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.EngineConfig`);
+default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.sglang_engine.EngineConfig`);
 GPU hosts: ``device`` (``auto`` default, ``cuda``, ``cpu``), ``attention_backend``
 (SGLang's; empty: its default), ``cuda_graph`` (``true`` default), ``cuda_graph_max_bs``,
-``mem_fraction_static`` (see :class:`tokenrouter.engine.EngineConfig`); a ``KIND_GPU``
+``mem_fraction_static`` (see :class:`tokenrouter.engine.sglang_engine.EngineConfig`); a ``KIND_GPU``
 instance runs on the GPU Triton gives it (``instance_group { kind: KIND_GPU gpus: [i] }``).
 Custom metrics on Triton's metrics endpoint:
 ``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
@@ -70,15 +70,15 @@ from typing import Any, Dict, List
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..engine.event_ring import EventRing
+from ..engine.lockstep import TurnRing, default_ring_path
+from ..engine.sglang_engine import EngineConfig, SGLangEngine
+from ..engine.subserver import FINAL_KINDS, Subserver, SubserverConfig
+from ..routing.curve import CurveServer
+from ..routing.peer_channel import PeerServer, dead_routers, process_start_time, remove_advert, write_advert
+from ..routing.protocol import PeerReq
 from . import model_control
-from .curve import CurveServer
-from .engine import EngineConfig, SGLangEngine
-from .event_ring import EventRing
-from .lockstep import TurnRing, default_ring_path
-from .peer_channel import PeerServer, dead_routers, process_start_time, remove_advert, write_advert
-from .protocol import PeerReq
-from .subserver import FINAL_KINDS, Subserver, SubserverConfig
-from .triton_common import llm_settings, model_parameters, param
+from .common import llm_settings, model_parameters, param
 
 logger = logging.getLogger(__name__)
 
@@ -280,7 +280,7 @@ class TritonPythonModel:
         """Op ``events``: routing events after a cursor, and the model's current batching settings.
 
         ``req`` is ``{"since": cursor, "limit": n}`` (both optional; see
-        :meth:`tokenrouter.event_ring.EventRing.answer`).
+        :meth:`tokenrouter.engine.event_ring.EventRing.answer`).
 
         Returns:
             ``{"model", "events": [step/handoff events, oldest first; t = time.time() in s],
@@ -428,7 +428,7 @@ class TritonPythonModel:
         """
         import fcntl
 
-        from .peer_channel import advert_path
+        from ..routing.peer_channel import advert_path
 
         refused = set()
         while not self._closing.wait(interval_s):

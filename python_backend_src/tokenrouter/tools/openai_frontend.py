@@ -8,7 +8,7 @@ router then frees the request's KV on every model.
 
 Run it beside a Triton server that serves ``token_router``::
 
-    python -m tokenrouter.openai_frontend --triton-url localhost:8001 --port 9000
+    python -m tokenrouter.tools.openai_frontend --triton-url localhost:8001 --port 9000
 
 (``deploy/serve`` starts it on ``--openai-port``, default 9000.)
 
@@ -63,7 +63,7 @@ from pydantic import BaseModel, ConfigDict
 __all__ = ["OpenAIError", "TritonBackend", "BackendError", "GenerationOutput", "create_app",
            "render_chat", "main", "DEFAULT_PORT"]
 
-logger = logging.getLogger("tokenrouter.openai_frontend")
+logger = logging.getLogger("tokenrouter.tools.openai_frontend")
 
 #: default HTTP port of the front end (``deploy/serve --openai-port``)
 DEFAULT_PORT = 9000
@@ -323,7 +323,7 @@ def load_tokenizer(path: str):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
-    from .sglang_cpu_compat import install
+    from ..engine.sglang_cpu_compat import install
 
     install()  # transformers' model imports load torchvision (a CUDA build here)
     from transformers import AutoTokenizer
@@ -611,7 +611,7 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
             if st.tokenizer is None:
                 path = st.tokenizer_path
                 if path is None:
-                    from .triton_common import resolve_model_path
+                    from ..triton.common import resolve_model_path
 
                     try:
                         params = await st.backend.model_parameters()
@@ -841,7 +841,7 @@ def _exit_with(pid: int, server) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Command line: serve the OpenAI-compatible API until interrupted; returns the exit code."""
-    ap = argparse.ArgumentParser(prog="python -m tokenrouter.openai_frontend",
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.openai_frontend",
                                  description="OpenAI-compatible HTTP API in front of Triton's token_router.")
     ap.add_argument("--triton-url", default=f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT', '8001')}",
                     help="Triton gRPC address (default localhost:$TOKENROUTER_GRPC_PORT or 8001)")

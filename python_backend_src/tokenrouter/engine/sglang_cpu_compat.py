@@ -22,7 +22,7 @@ Call :func:`install` before the first ``import sglang``.  It also moves SGLang's
 "Ignore import error when loading sglang.srt.models.…" warnings (about 30 per model
 load: model files that need GPU kernels) to DEBUG on CPU hosts.
 
-Two CPU performance steps, used by :class:`tokenrouter.engine.SGLangEngine`:
+Two CPU performance steps, used by :class:`tokenrouter.engine.sglang_engine.SGLangEngine`:
 
 * :func:`patch_torch_native_extend` — the torch_native backend's attention
   computes only the new tokens' rows (a resume no longer costs a full

@@ -20,8 +20,8 @@ memory (RSS) is reported so that growth across restarts shows.
 
 Usage (server already running, e.g. ``deploy/serve --background``)::
 
-    python -m tokenrouter.soak --url localhost:8001 --seconds 300 --concurrency 8
-    python -m tokenrouter.soak --seconds 600 --kill-stub llm --kill-every 90 \
+    python -m tokenrouter.tools.soak --url localhost:8001 --seconds 300 --concurrency 8
+    python -m tokenrouter.tools.soak --seconds 600 --kill-stub llm --kill-every 90 \
         --server-pid "$(cat ~/.cache/tokenrouter/run/tritonserver.pid)"
 
 Exit status 0 when every check passed, 1 otherwise (the report says which).

@@ -4,13 +4,13 @@ Paper §Design, "Three decoupled loops": the inter-model loop forwards a
 handing-off model's PeerReq to the peer over ZeroMQ.  Here each model
 subserver listens on its own endpoint (:class:`PeerServer`, a ROUTER socket
 inside the model's Triton stub process) and the router drives requests through
-a :class:`PeerClient` — the *transport* of :func:`tokenrouter.router_core.drive`.
+a :class:`PeerClient` — the *transport* of :func:`tokenrouter.routing.router_core.drive`.
 
 Endpoints: ``ipc://`` (default: a fresh path in the temporary directory; the
 router finds it through the model's advert file or a BLS call) for models in
 the router's tritonserver, ``tcp://`` for models served by other servers (the
 router's ``remote_models``; CURVE-authenticated and encrypted by default, see
-:mod:`tokenrouter.curve`).
+:mod:`tokenrouter.routing.curve`).
 
 Connections: the router connects one DEALER socket per model replica; every
 answer comes back on the connection its command went out on, so only the
@@ -55,8 +55,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import zmq
 
+from ..triton.stub_guard import server_pid as stub_server_pid
 from .curve import HandshakeLog, is_tcp
-from .stub_guard import server_pid as stub_server_pid
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +124,7 @@ def advert_path(model: str, server_pid: Optional[int] = None, kind: str = "peer"
     """Path of the file in which ``model`` advertises its endpoint and process.
 
     One per model and tritonserver process (``server_pid``, default the
-    tritonserver of this Triton stub, :func:`tokenrouter.stub_guard.server_pid`, still
+    tritonserver of this Triton stub, :func:`tokenrouter.triton.stub_guard.server_pid`, still
     right after that server died), in the temporary directory; ``kind`` is ``peer`` (an
     LLM model, read by the router) or ``router`` (a router, watched by the models).
     """
@@ -322,7 +322,7 @@ class _RouterConn:
 
 
 class PeerServer:
-    """Model side of the channel: receives PeerReqs for one :class:`~tokenrouter.subserver.Subserver`.
+    """Model side of the channel: receives PeerReqs for one :class:`~tokenrouter.engine.subserver.Subserver`.
 
     A ROUTER socket bound at ``endpoint``; each router connects a DEALER socket
     per model replica and every answer goes back on the connection its command
@@ -348,9 +348,9 @@ class PeerServer:
         configure_fn: optional callable(settings dict) applying a ``configure`` command.
         events_fn: optional callable(settings) → result dict answering an ``events``
             command (the model's recent routing events, see
-            :class:`tokenrouter.event_ring.EventRing`); without it ``events`` is an
+            :class:`tokenrouter.engine.event_ring.EventRing`); without it ``events`` is an
             unknown op.
-        curve: :class:`~tokenrouter.curve.CurveServer` settings (TCP only), or None.
+        curve: :class:`~tokenrouter.routing.curve.CurveServer` settings (TCP only), or None.
         router_timeout_s: TCP: seconds of silence after which a router's requests are released.
 
     Raises:
@@ -575,7 +575,7 @@ def parse_remote_models(text: str) -> Dict[str, List[str]]:
 
 
 class PeerClient:
-    """Router side of the channel: the transport of :func:`tokenrouter.router_core.drive`.
+    """Router side of the channel: the transport of :func:`tokenrouter.routing.router_core.drive`.
 
     One DEALER connection per model replica: request workers send their
     commands on it themselves, one I/O thread receives every model's answers
@@ -615,7 +615,7 @@ class PeerClient:
         liveness_interval_s: seconds between two process checks of local models.
         remote: ``{model: [endpoint, …]}`` of models served elsewhere (see
             :func:`parse_remote_models`).
-        curve: :class:`~tokenrouter.curve.CurveClient` for ``tcp://`` endpoints, or None.
+        curve: :class:`~tokenrouter.routing.curve.CurveClient` for ``tcp://`` endpoints, or None.
         heartbeat_s: seconds between two pings of a remote replica.
         heartbeat_timeout_s: seconds without an answer after which a remote replica is down.
         on_up: optional callable(model) called when a remote model that was down answers again.
