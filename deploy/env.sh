@@ -7,7 +7,7 @@
 # creates a virtual environment from deploy/requirements.txt and
 # deploy/requirements-nodeps.txt under
 #   ${TOKENROUTER_CACHE:-$HOME/.cache/tokenrouter}/venv-<hash>
-# where <hash> covers both requirement files and the Python build, so fresh clones
+# where <hash> covers both requirement files (without comments) and the Python build, so fresh clones
 # (CI) reuse it. Creation is serialised with flock and marked complete by a file
 # written last; a half-built venv is rebuilt.
 #
@@ -121,8 +121,9 @@ print(sys.version.replace("\n", " "), sys.base_prefix, sysconfig.get_platform())
     local libdir=${pyinfo[0]} pyver=${pyinfo[1]} pyid=${pyinfo[2]}
 
     local hash
-    hash=$( { cat "$root/deploy/requirements.txt" "$root/deploy/requirements-nodeps.txt"; echo "$pyid"; } |
-        sha256sum | cut -c1-12) || return 1
+    # the requirements themselves, not their comments: editing a comment does not rebuild the venv
+    hash=$( { sed -e 's/[[:space:]]*#.*//' -e '/^[[:space:]]*$/d' "$root/deploy/requirements.txt" \
+        "$root/deploy/requirements-nodeps.txt"; echo "$pyid"; } | sha256sum | cut -c1-12) || return 1
     local venv="$cache/venv-$hash"
 
     mkdir -p "$cache" || { _tr_err "cannot create $cache"; return 1; }

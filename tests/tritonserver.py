@@ -185,9 +185,9 @@ class TritonServer:
             "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),
-            # one model at a time: several Python stubs importing torch at once on
-            # 2 cores once left one instance hanging in its initialisation
-            "--model-load-thread-count=1",
+            # two models at a time (as deploy/serve): a server of the suite is ready in
+            # about 0.6x the time of one at a time (42 against 72 s for six models here)
+            "--model-load-thread-count=2",
             *self.extra_args,
         ]
         env = {**os.environ, **self.env}
