@@ -103,7 +103,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
         sys.path.insert(0, p)
 
 from loadgen import SteadyLoad, load_tokenizer, run_load, spread, summarize, window_summary  # noqa: E402
-from tokenrouter import admin  # noqa: E402
+from tokenrouter.tools import admin  # noqa: E402
 from tokenrouter.tools.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 

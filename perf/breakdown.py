@@ -32,7 +32,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
 
 from bench_matrix import MODELS, RESET, _prompts  # noqa: E402
 from loadgen import percentile  # noqa: E402
-from tokenrouter import admin  # noqa: E402
+from tokenrouter.tools import admin  # noqa: E402
 from tokenrouter.tools.cli import stream_generate  # noqa: E402
 from tokenrouter.tools.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402

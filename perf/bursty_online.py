@@ -54,7 +54,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
 
 from bench_matrix import ratio_interval  # noqa: E402
 from loadgen import run_load, spread  # noqa: E402
-from tokenrouter import admin  # noqa: E402
+from tokenrouter.tools import admin  # noqa: E402
 from tokenrouter.tools.repository import PAIRS, make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 

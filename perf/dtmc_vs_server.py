@@ -65,7 +65,7 @@ from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _s
                           b_star_from_events, calibrate_server, configure_mode, ratio_interval,
                           wait_bound_us)
 from loadgen import SteadyLoad, load_tokenizer, run_load, window_summary  # noqa: E402
-from tokenrouter import admin  # noqa: E402
+from tokenrouter.tools import admin  # noqa: E402
 from tokenrouter.tools.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
 

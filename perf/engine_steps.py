@@ -66,7 +66,7 @@ def main(argv=None) -> int:
     if a.sglang_decode:
         from sglang.srt.layers.attention import torch_native_backend as tnb
 
-        from tokenrouter import sglang_cpu_compat as compat
+        from tokenrouter.engine import sglang_cpu_compat as compat
         if compat._orig_sdpa_decode is None:
             ap.error("--sglang-decode: the batched CPU attention is not installed here (a GPU host?)")
         tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = compat._orig_sdpa_decode

@@ -29,7 +29,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "python_backend_src"))
 
-from tokenrouter import deployment  # noqa: E402
+from tokenrouter.tools import deployment  # noqa: E402
 from tokenrouter.tools.repository import read_config  # noqa: E402
 
 DOCKER = os.path.join(ROOT, "deploy", "docker")

@@ -177,7 +177,7 @@ def test_cpu_attention_matches_sglang(engine):
     """
     from sglang.srt.layers.attention import torch_native_backend as tnb
 
-    from tokenrouter import sglang_cpu_compat as compat
+    from tokenrouter.engine import sglang_cpu_compat as compat
 
     cls = tnb.TorchNativeAttnBackend
     assert cls._run_sdpa_forward_extend is compat._sdpa_forward_extend_new_rows, "patch not installed on the CPU"
@@ -234,7 +234,7 @@ def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads):
     float64 per-request reference: GQA and plain multi-head, masks with padding, groups of
     several new tokens, rows that are not contiguous in the step's token order, and a
     group split by its padding."""
-    from tokenrouter import sglang_cpu_compat as compat
+    from tokenrouter.engine import sglang_cpu_compat as compat
 
     g = torch.Generator().manual_seed(0)
     d, pool, rows_max, ctx = 16, 4096, 16, 512
@@ -274,7 +274,7 @@ def test_cpu_rotary_embedding_is_bit_identical_to_sglangs(engine, dtype):
     keys, also when the positions tensor is changed in place or replaced within one step
     (the cached cos/sin must follow), and the served model actually uses it."""
     from sglang.srt.layers.rotary_embedding import base as rope_base
-    from tokenrouter import sglang_cpu_compat as compat
+    from tokenrouter.engine import sglang_cpu_compat as compat
 
     if compat._orig_rope_native is None:
         pytest.skip("the CPU rotary embedding is not installed on this host")
