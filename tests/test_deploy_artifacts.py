@@ -349,6 +349,41 @@ def test_entrypoint_refuses_tcp_without_keys(tmp_path):
     assert "--keys" in r.stderr
 
 
+# --------------------------------------------------------------------------- deploy/serve
+@pytest.mark.parametrize("args, message", [
+    (["--http-port", "99999"], "--http-port must be a port number (1-65535), got '99999'"),
+    (["--grpc-port", "0"], "--grpc-port must be a port number (1-65535)"),
+    (["--http-port", "28000", "--grpc-port", "28000"], "need different ports, got 28000, 28000,"),
+    (["--metrics-port", "9000"], "need different ports"),  # the OpenAI front end's default port
+    (["--graceful-shutdown-s", "abc"], "--graceful-shutdown-s must be a whole number >= 0, got 'abc'"),
+    (["--exit-timeout", "-5"], "--exit-timeout must be a whole number >= 0"),
+])
+def test_serve_refuses_bad_options_before_starting(args, message):
+    """A bad option ends deploy/serve at once with one clear line: nothing is set up or started."""
+    r = subprocess.run([os.path.join(ROOT, "deploy", "serve"), *args, "--name", "badopts"],
+                       capture_output=True, text=True, timeout=60,
+                       env={k: v for k, v in os.environ.items() if not k.startswith("TOKENROUTER_") or k ==
+                            "TOKENROUTER_CACHE"})
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert message in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "tritonserver" not in r.stdout, r.stdout
+
+
+def test_tools_default_to_the_grpc_port_of_deploy_serve(monkeypatch):
+    """Every tool's --url default follows $TOKENROUTER_GRPC_PORT, as deploy/serve's port does."""
+    from tokenrouter.tools import default_grpc_url
+
+    monkeypatch.setenv("TOKENROUTER_GRPC_PORT", "28001")
+    assert default_grpc_url() == "localhost:28001"
+    for tool in ("admin", "cli", "soak", "openai_frontend"):
+        r = subprocess.run([sys.executable, "-m", f"tokenrouter.tools.{tool}", "--help"], capture_output=True,
+                           text=True, timeout=120, cwd=os.path.join(ROOT, "python_backend_src"),
+                           env={**os.environ, "TOKENROUTER_GRPC_PORT": "28001"})
+        assert r.returncode == 0 and "$TOKENROUTER_GRPC_PORT" in r.stdout, (tool, r.stderr)
+    monkeypatch.setenv("TOKENROUTER_GRPC_PORT", "")
+    assert default_grpc_url() == "localhost:8001"
+
+
 # --------------------------------------------------------------------------- Kubernetes
 def _kubectl():
     exe = shutil.which("kubectl")

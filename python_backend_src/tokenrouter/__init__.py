@@ -9,7 +9,7 @@ The library behind the Triton models in ``model_repository/``, one subpackage pe
 * ``routing``: request-centric routing: ``router_core.drive``, the PeerReq protocol, the
   ZeroMQ inter-model channel, online B*, the no-Triton path;
 * ``algorithms``: the routing algorithms (route/send/receive plugins);
-* ``tools``: operator tools (``python -m tokenrouter.tools.<name>``).
+* ``tools``: operator tools (``python -m tokenrouter.tools.<name>``; ``tokenrouter.<name>`` until 0.1.0).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

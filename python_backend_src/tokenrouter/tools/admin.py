@@ -25,11 +25,12 @@ routers') and DIR/authorized_keys/router.key; existing keys are kept unless ``--
 from __future__ import annotations
 
 import json
-import os
 import queue
 from typing import Any, Dict, Optional
 
 import numpy as np
+
+from . import GRPC_URL_HELP, default_grpc_url
 
 __all__ = ["model_op", "model_stats", "configure", "calibrate", "events", "router_ready", "main"]
 
@@ -174,9 +175,7 @@ def main(argv=None) -> int:
                          "events: optional JSON {\"since\": cursor, \"limit\": n}; "
                          "keys: the folder to write CURVE keys into")
     ap.add_argument("--force", action="store_true", help="keys: replace existing keys")
-    default_url = f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT') or 8001}"
-    ap.add_argument("--url", default=default_url,
-                    help=f"Triton gRPC address (default {default_url}: $TOKENROUTER_GRPC_PORT or 8001)")
+    ap.add_argument("--url", default=default_grpc_url(), help=GRPC_URL_HELP)
     ap.add_argument("--models", default="slm,llm", help="comma-separated LLM models (default slm,llm)")
     ap.add_argument("--router", default="token_router", help="ready: the router model (default token_router)")
     ap.add_argument("--allow-degraded", action="store_true",

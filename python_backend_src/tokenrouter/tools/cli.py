@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
 from typing import Any, Dict, Optional
 
 import numpy as np
+
+from . import GRPC_URL_HELP, default_grpc_url
 
 __all__ = ["grpc_input", "stream_generate", "main"]
 
@@ -139,8 +140,7 @@ def main(argv: Optional[list] = None) -> int:
     """CLI entry point; returns the process exit code."""
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.cli", description=__doc__.split("\n\n")[0])
     ap.add_argument("prompt")
-    ap.add_argument("--url", default=f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT', '8001')}",
-                    help="gRPC address (default localhost:$TOKENROUTER_GRPC_PORT or 8001)")
+    ap.add_argument("--url", default=default_grpc_url(), help=GRPC_URL_HELP)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--top-p", type=float, default=None)

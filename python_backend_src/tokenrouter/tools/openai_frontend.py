@@ -60,6 +60,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from . import GRPC_URL_HELP, default_grpc_url
+
 __all__ = ["OpenAIError", "TritonBackend", "BackendError", "GenerationOutput", "create_app",
            "render_chat", "main", "DEFAULT_PORT"]
 
@@ -843,8 +845,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Command line: serve the OpenAI-compatible API until interrupted; returns the exit code."""
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.openai_frontend",
                                  description="OpenAI-compatible HTTP API in front of Triton's token_router.")
-    ap.add_argument("--triton-url", default=f"localhost:{os.environ.get('TOKENROUTER_GRPC_PORT', '8001')}",
-                    help="Triton gRPC address (default localhost:$TOKENROUTER_GRPC_PORT or 8001)")
+    ap.add_argument("--triton-url", default=default_grpc_url(), help=GRPC_URL_HELP)
     ap.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
     ap.add_argument("--port", type=int, default=int(os.environ.get("TOKENROUTER_OPENAI_PORT", DEFAULT_PORT)),
                     help=f"HTTP port (default $TOKENROUTER_OPENAI_PORT or {DEFAULT_PORT})")

@@ -40,6 +40,8 @@ import time
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
+from . import GRPC_URL_HELP, default_grpc_url
+
 __all__ = ["run_soak", "main", "find_stub", "stub_rss_mb"]
 
 PROMPTS = [
@@ -306,9 +308,9 @@ def _down_error(message: str) -> bool:
 
 def main(argv=None) -> int:
     """Command line entry point (see module docstring)."""
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.soak", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--url", default="localhost:8001", help="gRPC address of the server")
+    ap.add_argument("--url", default=default_grpc_url(), help=GRPC_URL_HELP)
     ap.add_argument("--seconds", type=float, default=300, help="time during which new requests are sent")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--models", default="slm,llm", help="LLM models whose KV must return to zero")
