@@ -130,9 +130,11 @@ class DirectRouter:
         self._ids = itertools.count()
 
     def segment(self, model, rid, tokens, header):
+        """One visit of ``rid`` to ``model``: the transport call of :func:`~tokenrouter.routing.router_core.drive`."""
         return self.cluster.segment(model, rid, tokens, header)
 
     def release(self, model, rid):
+        """Free ``rid``'s KV on ``model`` (the request is finished or cancelled)."""
         self.cluster.release(model, rid)
 
     def generate(self, prompt: str, sampling: Dict[str, Any], chat: bool = True, on_text=None) -> Dict[str, Any]:

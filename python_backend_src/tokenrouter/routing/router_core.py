@@ -81,6 +81,7 @@ class RoutedRequest:
 
     @property
     def output_ids(self) -> List[int]:
+        """The tokens written after the prompt (list of int token ids)."""
         return self.tokens[self.n_prompt:]
 
 

@@ -95,6 +95,7 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
+        """The error as the OpenAI API sends it: ``{"error": {...}}`` with this HTTP status."""
         return JSONResponse(self.body(), status_code=self.status)
 
 

@@ -198,6 +198,7 @@ def train(kind: str, arch: Dict[str, int], x: torch.Tensor, y: torch.Tensor, tra
 
 
 def main(argv=None) -> int:
+    """Command line entry point (see module docstring); returns the exit status."""
     wdir = os.environ.get("TOKENROUTER_WEIGHTS") or os.path.expanduser("~/.cache/tokenrouter/weights")
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.train_routers", description=__doc__.split("\n\n")[0])
     ap.add_argument("--slm", default=os.path.join(wdir, "smollm2-135m-instruct"), help="served SLM checkpoint")

@@ -114,6 +114,8 @@ class TritonPythonModel:
     """One model's subserver inside Triton (see module docstring)."""
 
     def initialize(self, args: Dict[str, Any]) -> None:
+        """Triton's model load: build the engine (weights, KV pool) and the subserver, start its
+        loops and advertise its channel endpoint. Raises ``TritonModelException`` on a bad config."""
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(
@@ -496,6 +498,9 @@ class TritonPythonModel:
             time.sleep(0.1)
 
     def finalize(self) -> None:
+        """Triton's unload: withdraw the advert, drain the requests in flight (``drain_timeout_s``),
+        stop the channel, the subserver's loops and the I/O thread, free the metric families and
+        remove the lock-step turn files."""
         remove_advert(self.name)  # unloaded on purpose: the router does not restart it
         self._drain(self.drain_timeout_s)
         self._remove_reload_locks()

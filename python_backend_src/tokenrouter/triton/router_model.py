@@ -221,6 +221,8 @@ class TritonPythonModel:
     """The router (see module docstring)."""
 
     def initialize(self, args: Dict[str, Any]) -> None:
+        """Triton's model load: read the config parameters, load the tokenizer and the algorithm,
+        connect to the models. Raises ``TritonModelException`` on a bad config (the load fails)."""
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException("token_router must be decoupled")
@@ -409,6 +411,8 @@ class TritonPythonModel:
                     outputs=outputs)
 
     def execute(self, requests: List[Any]) -> None:
+        """Triton's request entry (decoupled): validate each request and hand it to a worker thread;
+        its responses are sent from there. A bad request gets its error response alone."""
         for request in requests:
             arrival = time.monotonic()
             refusal = self.failure.refusal()

@@ -314,6 +314,7 @@ class TritonTransport:
             return dict(self._down)
 
     def is_down(self, model: str) -> bool:
+        """True while ``model`` is marked down (its stub died; see :meth:`mark_down`)."""
         with self._lock:
             return model in self._down
 
