@@ -137,7 +137,7 @@ server_args=(
     --http-port "$http_port"
     --grpc-port "$grpc_port"
     --metrics-port "$metrics_port"
-    --model-load-thread-count 2
+    --model-load-thread-count 1
     --model-control-mode explicit
 )
 for m in "${hosted[@]}"; do server_args+=(--load-model "$m"); done
