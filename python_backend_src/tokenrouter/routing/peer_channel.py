@@ -57,31 +57,14 @@ import zmq
 
 from ..triton.stub_guard import server_pid as stub_server_pid
 from .curve import HandshakeLog, is_tcp
+from .replicas import Link, Replicas
+from .segments import DownMarks, PeerChannelError, PeerDownError, Segments
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["PeerServer", "PeerClient", "PeerChannelError", "PeerDownError", "default_endpoint",
            "process_start_time", "process_alive", "advert_path", "write_advert", "read_advert",
            "parse_remote_models"]
-
-#: segment-final response kinds
-FINAL = ("handoff", "finished", "cancelled", "error", "result")
-
-
-class PeerChannelError(RuntimeError):
-    """A model could not be reached or did not answer in time."""
-
-
-class PeerDownError(PeerChannelError):
-    """The model's process is gone (killed, crashed) or the model is marked down.
-
-    Attributes:
-        model: name of the model that is down.
-    """
-
-    def __init__(self, model: str, message: str):
-        super().__init__(message)
-        self.model = model
 
 
 def process_start_time(pid: int) -> Optional[int]:
@@ -507,41 +490,6 @@ class PeerServer:
         _unlink_ipc(self.endpoint)
 
 
-class _Link:
-    """The router's connection to one model replica: a DEALER socket (received on by the client's I/O thread).
-
-    Attributes:
-        id: the link's number.
-        model, endpoint: the model and the replica's endpoint.
-        remote: a replica from the static ``remote`` map (found down by heartbeats,
-            never restarted by this router, kept connected while down).
-        heartbeat: pinged every ``heartbeat_s`` (remote replicas and any ``tcp://`` endpoint).
-        proc: ``(pid, start time)`` of a local model's process (watched), or None.
-        down: why the replica is down, or None while it is up.
-        heard: ``time.monotonic()`` of the last message from it.
-        instance: the replica's ``PeerServer.instance`` (from its pings).
-        homes: requests whose state this replica holds (they stay on it).
-        orphans: requests it held when it was found down: released there if it comes
-            back as the same instance (it was only slow), forgotten if it restarted.
-        shared: its socket; monitor: the handshake-failure log of a TCP socket.
-    """
-
-    __slots__ = ("id", "model", "endpoint", "remote", "heartbeat", "proc", "down", "heard", "instance",
-                 "homes", "orphans", "shared", "monitor")
-
-    def __init__(self, lid: int, model: str, endpoint: str, remote: bool, proc=None):
-        self.id, self.model, self.endpoint, self.remote = lid, model, endpoint, remote
-        self.heartbeat = remote or is_tcp(endpoint)
-        self.proc = proc
-        self.down: Optional[str] = None
-        self.heard = time.monotonic()
-        self.instance: Optional[str] = None
-        self.homes: set = set()
-        self.orphans: set = set()
-        self.shared: Optional[_SharedSocket] = None
-        self.monitor: Optional[HandshakeLog] = None
-
-
 def parse_remote_models(text: str) -> Dict[str, List[str]]:
     """The router's ``remote_models`` parameter: ``{"llm": "tcp://h:p"}`` or ``{"llm": ["tcp://h1:p", …]}``.
 
@@ -628,51 +576,47 @@ class PeerClient:
         if not 0 < heartbeat_s < heartbeat_timeout_s:
             raise ValueError(f"need 0 < heartbeat_s ({heartbeat_s}) < heartbeat_timeout_s ({heartbeat_timeout_s})")
         self._resolve = resolve
-        self.stall_timeout_s = float(stall_timeout_s)
-        self.tick_s = float(tick_s)
-        self._on_down, self._on_up = on_down, on_up
         self.liveness_interval_s = float(liveness_interval_s)
         self.heartbeat_s, self.heartbeat_timeout_s = float(heartbeat_s), float(heartbeat_timeout_s)
         self._curve = curve
         self._me = {"router_pid": os.getpid(), "router_start": process_start_time(os.getpid())}
         self._ctx = zmq.Context()
-        self._lock = threading.Lock()  # links, homes, down marks
-        self._version = 0  # bumped when the set of links changes (the I/O thread re-reads it)
-        self._retired: List[_Link] = []  # links whose socket the I/O thread closes
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._resolve_lock = threading.Lock()
-        self._ids = itertools.count(1)  # link ids and segment ids
-        self._turn = itertools.count()
-        self._links: Dict[str, List[_Link]] = {}
-        self._by_id: Dict[int, _Link] = {}
-        self._home: Dict[Tuple[str, str], _Link] = {}
-        self._down: Dict[str, str] = {}  # model -> reason
-        self._segs: Dict[int, Tuple[_Link, "queue.Queue"]] = {}
-        self._segs_lock = threading.Lock()
+        self._link_ids = itertools.count(1)
+        self._segments = Segments(tick_s, stall_timeout_s)
+        self._replicas = Replicas(self._segments, DownMarks(on_down), self._wake, on_up)
         self.remote = dict(remote or {})
-        with self._lock:
-            for model, eps in self.remote.items():
-                self._links[model] = [self._add_link(model, ep, remote=True) for ep in eps]
-                if all(l.down for l in self._links[model]):
-                    self._down[model] = self._links[model][-1].down
+        for model, eps in self.remote.items():
+            self._replicas.set_remote(model, [self._connect(model, ep, remote=True) for ep in eps])
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._io_loop, name="peer-io", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------------------ I/O thread
-    def _add_link(self, model: str, endpoint: str, remote: bool, proc=None) -> _Link:
-        """Create and connect a link (caller holds ``_lock``); the I/O thread picks it up at once.
+    @property
+    def tick_s(self) -> float:
+        """Seconds between two ``tick`` events of a waiting :meth:`segment`."""
+        return self._segments.tick_s
+
+    @property
+    def stall_timeout_s(self) -> float:
+        """Seconds of silence after which a segment fails (0 = wait forever)."""
+        return self._segments.stall_timeout_s
+
+    # ------------------------------------------------------------ sockets
+    def _connect(self, model: str, endpoint: str, remote: bool, proc=None) -> Link:
+        """A new link with its socket connected (the I/O thread polls it once it is installed).
 
         A remote replica whose endpoint cannot be used (bad address, CURVE key error) is
-        created down, with the reason.
+        returned down, with the reason and no socket.
 
         Raises:
             PeerChannelError: the same for a local model.
         """
-        link = _Link(next(self._ids), model, endpoint, remote, proc)
         tcp = is_tcp(endpoint)
+        link = Link(next(self._link_ids), model, endpoint, remote, heartbeat=remote or tcp, proc=proc)
         sock = _socket(self._ctx, zmq.DEALER, tcp)
         sock.setsockopt(zmq.ROUTING_ID, b"r" + uuid.uuid4().bytes)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, 1000)
@@ -694,17 +638,20 @@ class PeerClient:
             link.down = reason
             return link
         link.shared, link.monitor = _SharedSocket(sock), monitor
-        self._by_id[link.id] = link
-        self._version += 1
-        self._wake()
         return link
 
-    def _retire(self, link: _Link) -> None:
-        """Have the I/O thread close ``link``'s socket (caller holds ``_lock``)."""
-        if self._by_id.pop(link.id, None) is not None:
-            self._retired.append(link)
-            self._version += 1
-            self._wake()
+    def _connect_local(self, model: str, resolved: Any) -> Link:
+        """A link to a resolved local endpoint (a string, or a dict with ``endpoint`` and ``pid``)."""
+        proc = None
+        if isinstance(resolved, dict):
+            endpoint = str(resolved["endpoint"])
+            if resolved.get("pid"):
+                pid = int(resolved["pid"])
+                start = resolved.get("start")
+                proc = (pid, process_start_time(pid) if start is None else start)
+        else:
+            endpoint = str(resolved)
+        return self._connect(model, endpoint, remote=False, proc=proc)
 
     def _wake(self) -> None:
         try:
@@ -713,21 +660,20 @@ class PeerClient:
             pass
 
     @staticmethod
-    def _close_link(link: _Link) -> None:
+    def _close_link(link: Link) -> None:
         if link.shared is not None:
             link.shared.close(link.monitor.close if link.monitor is not None else None)
 
+    # ------------------------------------------------------------ I/O thread
     def _io_loop(self) -> None:
         """Receive every model's answers, send heartbeats, watch local processes."""
         version, links, poller = -1, [], None
         next_beat = next_proc = time.monotonic()
         try:
             while not self._stop.is_set():
-                with self._lock:
-                    retired, self._retired = self._retired, []
-                    if self._version != version:
-                        version, links = self._version, list(self._by_id.values())
-                        poller = None
+                version, changed, retired = self._replicas.connected(version)
+                if changed is not None:
+                    links, poller = changed, None
                 for link in retired:
                     self._close_link(link)
                 if poller is None:
@@ -760,131 +706,45 @@ class PeerClient:
                     next_proc = now + self.liveness_interval_s
                     self._check_procs()
         finally:
-            with self._lock:
-                left = list(self._by_id.values()) + self._retired
-                self._by_id.clear()
-                self._retired = []
-            for link in left:
+            for link in self._replicas.drain():
                 self._close_link(link)
 
-    def _dispatch(self, link: _Link, frames: List[bytes]) -> None:
+    def _dispatch(self, link: Link, frames: List[bytes]) -> None:
         meta = json.loads(frames[0])
         link.heard = time.monotonic()
         seg = int(meta.pop("seg", 0))
         if seg == 0:  # a heartbeat's answer
             if meta.get("kind") == "result":
-                self._answered(link, str((meta.get("result") or {}).get("instance") or ""))
+                instance = str((meta.get("result") or {}).get("instance") or "")
+                for rid in self._replicas.answered(link, instance):  # it was only slow: free what
+                    self._send(link, {"op": "release", "rid": rid})  # the failed requests held there
             return
-        with self._segs_lock:
-            entry = self._segs.get(seg)
-        if entry is not None:  # else: a response of a segment already closed
-            entry[1].put((_tokens_list(frames[1] if len(frames) > 1 else b""), meta))
+        # a response of a segment already closed is dropped
+        self._segments.put(seg, (_tokens_list(frames[1] if len(frames) > 1 else b""), meta))
 
     def _heartbeats(self, now: float) -> None:
         """Ping every heartbeat link; find silent ones down (I/O thread)."""
         ping = [_meta_frame({"op": "ping", "seg": 0, **self._me}), b""]
-        with self._lock:
-            links = [l for l in self._by_id.values() if l.heartbeat]
-        for link in links:
+        for link in self._replicas.heartbeat_links():
             link.shared.send(ping)
             if link.down is None and now - link.heard > self.heartbeat_timeout_s:
-                self._link_down(link, f"model {link.model} (replica at {link.endpoint}) is down: no answer "
-                                      f"for {self.heartbeat_timeout_s:g} s")
+                self._replicas.link_down(link, f"model {link.model} (replica at {link.endpoint}) is down: "
+                                               f"no answer for {self.heartbeat_timeout_s:g} s")
 
     def _check_procs(self) -> None:
-        with self._lock:
-            links = [l for l in self._by_id.values() if l.proc is not None and l.down is None]
-        for link in links:
+        for link in self._replicas.watched_links():
             pid, start = link.proc
             if not process_alive(pid, start):
-                self._link_down(link, f"model {link.model} is down: its process (pid {pid}) exited")
-
-    def _answered(self, link: _Link, instance: str) -> None:
-        """A heartbeat answer: note the instance; a restart loses state; a down remote replica is back."""
-        if link.down is None and link.instance not in (None, instance):
-            self._link_down(link, f"model {link.model} (replica at {link.endpoint}) is down: it restarted "
-                                  "(the requests it held are lost)")
-        releases: List[str] = []
-        back = False
-        with self._lock:
-            if link.down is not None and link.remote:
-                releases = sorted(link.orphans) if link.instance == instance else []
-                link.orphans = set()
-                link.down = None
-                back = self._down.pop(link.model, None) is not None
-                logger.warning("model %s: replica at %s answers again", link.model, link.endpoint)
-            if link.down is None:
-                link.instance = instance
-        for rid in releases:  # it was only slow: free what the failed requests held there
-            link.shared.send([_meta_frame({"op": "release", "rid": rid, **self._me}), b""])
-        if back:
-            logger.warning("model %s is up again", link.model)
-            if self._on_up is not None:
-                try:
-                    self._on_up(link.model)
-                except Exception:  # noqa: BLE001
-                    logger.exception("on_up(%s) failed", link.model)
+                self._replicas.link_down(link, f"model {link.model} is down: its process (pid {pid}) exited")
 
     # ------------------------------------------------------------ down / up
-    def _link_down(self, link: _Link, reason: str) -> bool:
-        """Mark one replica down: fail its open segments; the model is down when none is left.
-
-        Returns:
-            True when this made the model down (``on_down`` was then called).
-        """
-        with self._lock:
-            if link.down is not None:
-                return False
-            link.down = reason
-            for rid in link.homes:
-                self._home.pop((link.model, rid), None)
-            link.orphans |= link.homes
-            link.homes = set()
-            if not link.remote:  # a local model: reconnected by mark_up with its new endpoint
-                link.proc = None
-                link.orphans = set()
-                if link in self._links.get(link.model, []):
-                    self._links[link.model].remove(link)
-                self._retire(link)
-            links = self._links.get(link.model, [])
-            left = sum(1 for l in links if l.down is None)
-            model_down = left == 0 and link.model not in self._down
-            if left == 0:
-                self._down[link.model] = reason
-        with self._segs_lock:
-            queues = [q for l, q in self._segs.values() if l is link]
-        for q in queues:
-            q.put(([], {"kind": "peer_down", "model": link.model, "message": reason}))
-        if not model_down:
-            if left:
-                logger.error("%s (%d of %d replicas left)", reason, left, len(links))
-            return False
-        logger.error("%s", reason)
-        if self._on_down is not None:
-            try:
-                self._on_down(link.model, reason)
-            except Exception:  # noqa: BLE001
-                logger.exception("on_down(%s) failed", link.model)
-        return True
-
     def mark_down(self, model: str, reason: str) -> bool:
         """Mark ``model`` down: fail its open segments with :class:`PeerDownError` and refuse new commands.
 
         Returns:
             True when the model was up until now (``on_down`` is then called).
         """
-        with self._lock:
-            links = [l for l in self._links.get(model, []) if l.down is None]
-            if not links:
-                was_up = model not in self._down
-                self._down[model] = reason
-        if not links:
-            if was_up:
-                logger.error("%s", reason)
-                if self._on_down is not None:
-                    self._on_down(model, reason)
-            return was_up
-        return any([self._link_down(l, reason) for l in links])
+        return self._replicas.mark_down(model, reason)
 
     def mark_up(self, model: str, resolved: Any) -> None:
         """Use a freshly resolved endpoint for local ``model`` (same forms as ``resolve`` returns)
@@ -892,45 +752,24 @@ class PeerClient:
 
         Raises:
             ValueError: ``model`` is a remote model (it comes back by answering heartbeats).
+            PeerChannelError: the endpoint cannot be connected to (the model stays as it was).
         """
         if model in self.remote:
             raise ValueError(f"model {model} is remote: it is up again when it answers heartbeats")
-        with self._lock:
-            for old in self._links.pop(model, []):
-                old.down = old.down or "replaced"
-                self._retire(old)
-            self._add_local(model, resolved)
-            self._down.pop(model, None)
+        self._replicas.install_local(model, self._connect_local(model, resolved), replace=True)
         logger.warning("model %s is up again", model)
-
-    def _add_local(self, model: str, resolved: Any) -> None:
-        """Link to a resolved local endpoint (caller holds ``_lock``)."""
-        proc = None
-        if isinstance(resolved, dict):
-            endpoint = str(resolved["endpoint"])
-            if resolved.get("pid"):
-                pid = int(resolved["pid"])
-                start = resolved.get("start")
-                proc = (pid, process_start_time(pid) if start is None else start)
-        else:
-            endpoint = str(resolved)
-        self._links[model] = [self._add_link(model, endpoint, remote=False, proc=proc)]
 
     def down(self) -> Dict[str, str]:
         """Models marked down now (no replica left): ``{model: reason}``."""
-        with self._lock:
-            return dict(self._down)
+        return self._replicas.marks.snapshot()
 
     def is_down(self, model: str) -> bool:
         """True while ``model`` is marked down."""
-        with self._lock:
-            return model in self._down
+        return model in self._replicas.marks
 
     def replicas(self, model: str) -> List[Dict[str, Any]]:
         """State of ``model``'s replicas: ``[{"endpoint", "up", "requests", "reason"}]``."""
-        with self._lock:
-            return [{"endpoint": l.endpoint, "up": l.down is None, "requests": len(l.homes), "reason": l.down}
-                    for l in self._links.get(model, [])]
+        return self._replicas.replicas(model)
 
     def wait_connected(self, timeout_s: float) -> List[str]:
         """Wait up to ``timeout_s`` seconds until every remote replica has answered a ping once.
@@ -940,78 +779,42 @@ class PeerClient:
         """
         deadline = time.monotonic() + timeout_s
         while True:
-            with self._lock:
-                silent = [f"{l.model} at {l.endpoint}" for ls in self._links.values() for l in ls
-                          if l.remote and l.instance is None]
+            silent = self._replicas.silent_remote()
             if not silent or time.monotonic() >= deadline:
                 return silent
             time.sleep(0.05)
 
     # ------------------------------------------------------------ commands
     def _ensure_local(self, model: str) -> None:
-        """Resolve a local model's endpoint once (outside ``_lock``: a BLS call may take a while)."""
-        if model in self.remote:
+        """Resolve a local model's endpoint once (no lock held while ``resolve`` runs: a BLS call may take a while)."""
+        if model in self.remote or self._replicas.known(model):
             return
-        with self._lock:
-            if self._links.get(model) or model in self._down:
-                return
         with self._resolve_lock:
-            with self._lock:
-                if self._links.get(model) or model in self._down:
-                    return
-            resolved = self._resolve(model)
-            with self._lock:
-                if not self._links.get(model) and model not in self._down:
-                    self._add_local(model, resolved)
+            if self._replicas.known(model):
+                return
+            link = self._connect_local(model, self._resolve(model))
+            if not self._replicas.install_local(model, link, replace=False):
+                self._close_link(link)  # marked down meanwhile; never polled
 
-    def _pick(self, model: str, rid: Optional[str]) -> _Link:
-        """The replica for ``rid`` on ``model``: the one holding its state, else the least busy live one.
-
-        Raises:
-            PeerDownError: no replica of ``model`` is up.
-        """
-        self._ensure_local(model)
-        with self._lock:
-            if model in self._down:
-                raise PeerDownError(model, self._down[model])
-            link = self._home.get((model, rid)) if rid is not None else None
-            if link is None:
-                live = [l for l in self._links.get(model, []) if l.down is None]
-                if not live:
-                    raise PeerDownError(model, f"model {model} is down")
-                n, k = len(live), next(self._turn)
-                link = min((live[(k + i) % n] for i in range(n)), key=lambda l: len(l.homes))
-                if rid is not None:
-                    self._home[(model, rid)] = link
-                    link.homes.add(rid)
-            return link
-
-    def _unhome(self, link: _Link, rid: str) -> None:
-        """``rid`` has no state on ``link`` any more (finished, cancelled or released there)."""
-        with self._lock:
-            if self._home.get((link.model, rid)) is link:
-                del self._home[(link.model, rid)]
-            link.homes.discard(rid)
-
-    def _send(self, link: _Link, meta: Dict[str, Any], tokens=()) -> None:
+    def _send(self, link: Link, meta: Dict[str, Any], tokens=()) -> None:
         """Send a command on ``link`` from this thread (dropped if the link was closed meanwhile:
         it is down then, and its segments have been told so)."""
         if link.shared is not None:
             link.shared.send([_meta_frame({**meta, **self._me}), _tokens_frame(list(tokens))])
 
-    def _open(self, link: _Link) -> Tuple[int, "queue.Queue"]:
-        """Register a segment on ``link`` (after its down mark is checked: no lost wake-up)."""
-        seg, q = next(self._ids), queue.Queue()
-        with self._segs_lock:
-            self._segs[seg] = (link, q)
-        if link.down is not None:
-            self._close_seg(seg)
-            raise PeerDownError(link.model, link.down)
-        return seg, q
+    def _open(self, model: str, rid: Optional[str]) -> Tuple[Link, int, "queue.Queue"]:
+        """Pick the replica and register a segment on it (then check its down mark: no lost wake-up).
 
-    def _close_seg(self, seg: int) -> None:
-        with self._segs_lock:
-            self._segs.pop(seg, None)
+        Raises:
+            PeerDownError: no replica of ``model`` is up.
+        """
+        self._ensure_local(model)
+        link = self._replicas.pick(model, rid)
+        seg, q = self._segments.open(link)
+        if link.down is not None:
+            self._segments.close(seg)
+            raise PeerDownError(link.model, link.down)
+        return link, seg, q
 
     def interrupt(self) -> None:
         """Wake every segment waiting for a response: each yields one tick now.
@@ -1020,22 +823,7 @@ class PeerClient:
         calls this instead of having every waiting request poll.  A :meth:`call` waiting
         for its answer ignores the wake-up.
         """
-        with self._segs_lock:
-            queues = [q for _, q in self._segs.values()]
-        for q in queues:
-            q.put(None)
-
-    def _next(self, model: str, q: "queue.Queue", deadline: float):
-        """Next response of a segment, or None after ``tick_s`` without one (or on :meth:`interrupt`)."""
-        try:
-            item = q.get(timeout=self.tick_s)
-            if item is not None:
-                return item
-            raise queue.Empty
-        except queue.Empty:
-            if self.stall_timeout_s and time.monotonic() > deadline:
-                raise PeerChannelError(f"model {model} sent nothing for {self.stall_timeout_s:.0f} s") from None
-            return None
+        self._segments.interrupt()
 
     # ----------------------------------------------------------- transport
     def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
@@ -1049,30 +837,19 @@ class PeerClient:
                 during the segment.
             PeerChannelError: the model sent nothing for ``stall_timeout_s``.
         """
-        link = self._pick(model, rid)
-        seg, q = self._open(link)
+        link, seg, q = self._open(model, rid)
         try:
             self._send(link, {"op": "run", "seg": seg, "rid": rid, "header": header}, tokens)
-            deadline = time.monotonic() + self.stall_timeout_s
-            while True:
-                item = self._next(model, q, deadline)
-                if item is None:
-                    yield [], {"kind": "tick"}
-                    continue
-                deadline = time.monotonic() + self.stall_timeout_s
-                toks, ev = item
-                kind = ev.get("kind")
-                if kind == "peer_down":
-                    raise PeerDownError(model, ev.get("message") or f"model {model} is down")
-                if kind == "error":
-                    raise RuntimeError(ev.get("message") or f"model {model}: error")
-                if kind in ("finished", "cancelled"):
-                    self._unhome(link, rid)
-                yield toks, ev
-                if kind in FINAL:
-                    return
-        finally:
-            self._close_seg(seg)
+        except BaseException:
+            self._segments.close(seg)
+            raise
+
+        def check(_toks, ev) -> bool:
+            if ev.get("kind") in ("finished", "cancelled"):
+                self._replicas.unhome(link, rid)  # its state there is gone
+            return True
+
+        yield from self._segments.responses(model, seg, q, check)
 
     def release(self, model: str, rid: str) -> None:
         """Free ``rid``'s state on ``model`` (on the replica holding it; ends its running segment there).
@@ -1080,10 +857,7 @@ class PeerClient:
         Nothing is sent when no replica holds it or the one that did is down (its
         state went with its process, or is released when it answers again).
         """
-        with self._lock:
-            link = self._home.pop((model, rid), None)
-            if link is not None:
-                link.homes.discard(rid)
+        link = self._replicas.take_home(model, rid)
         if link is not None and link.down is None:
             self._send(link, {"op": "release", "rid": rid})
 
@@ -1096,8 +870,7 @@ class PeerClient:
             PeerDownError: the model is down.
             PeerChannelError: no answer within ``timeout_s`` seconds.
         """
-        link = self._pick(model, None)
-        seg, q = self._open(link)
+        link, seg, q = self._open(model, None)
         try:
             self._send(link, {"op": op, "seg": seg, "settings": settings or {}})
             deadline = time.monotonic() + timeout_s
@@ -1114,14 +887,11 @@ class PeerClient:
                 raise RuntimeError(ev.get("message") or f"model {model}: error")
             return ev.get("result") or {}
         finally:
-            self._close_seg(seg)
+            self._segments.close(seg)
 
     def fail_all(self, message: str) -> None:
         """End every open segment with :class:`PeerDownError` ``message`` (used at shutdown)."""
-        with self._segs_lock:
-            entries = list(self._segs.values())
-        for link, q in entries:
-            q.put(([], {"kind": "peer_down", "model": link.model, "message": message}))
+        self._segments.fail(message)
 
     def close(self) -> None:
         """Stop the I/O thread and close every socket."""

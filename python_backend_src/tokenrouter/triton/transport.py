@@ -61,7 +61,6 @@ more); it holds no lock and only its thread is lost.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import logging
 import queue
@@ -72,7 +71,8 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ..routing.peer_channel import FINAL, PeerChannelError, PeerDownError, process_alive, process_start_time
+from ..routing.peer_channel import process_alive, process_start_time
+from ..routing.segments import DownMarks, PeerChannelError, PeerDownError, Segments
 
 logger = logging.getLogger(__name__)
 
@@ -200,16 +200,12 @@ class TritonTransport:
             import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - only inside a stub
         self.pb_utils = pb_utils
         self._resolve = resolve
-        self.stall_timeout_s = float(stall_timeout_s)
-        self.tick_s = float(tick_s)
-        self._on_down = on_down
         self.liveness_interval_s = float(liveness_interval_s)
         self._lock = threading.Lock()
         self._procs: Dict[str, Tuple[int, Optional[int]]] = {}  # model -> (pid, start time)
         self._known: set = set()  # models resolved since their last down mark
-        self._down: Dict[str, str] = {}
-        self._segs: Dict[int, Tuple[str, "queue.Queue"]] = {}
-        self._ids = itertools.count(1)
+        self._marks = DownMarks(on_down)
+        self._segments = Segments(tick_s, stall_timeout_s)  # owner: the model's name
         self._releasing: Dict[Tuple[str, str], threading.Event] = {}
         self._grave: Deque[Tuple[int, tuple]] = collections.deque()
         self._grave_seq = 0
@@ -252,9 +248,10 @@ class TritonTransport:
     # ------------------------------------------------------------ liveness
     def _know(self, model: str) -> None:
         """Resolve ``model``'s process once (after each down mark), for the liveness watch."""
+        reason = self._marks.reason(model)
+        if reason is not None:
+            raise PeerDownError(model, reason)
         with self._lock:
-            if model in self._down:
-                raise PeerDownError(model, self._down[model])
             if model in self._known:
                 return
         info = self._resolve(model) or {}
@@ -283,20 +280,12 @@ class TritonTransport:
             True when the model was up until now (``on_down`` is then called).
         """
         with self._lock:
-            was_up = model not in self._down
-            self._down[model] = reason
             self._procs.pop(model, None)
             self._known.discard(model)
-            queues = [q for m, q in self._segs.values() if m == model]
-        for q in queues:
-            q.put(([], {"kind": "peer_down", "message": reason}))
+        was_up = self._marks.set(model, reason)
+        self._segments.fail(reason, owner=model)
         if was_up:
-            logger.error("%s", reason)
-            if self._on_down is not None:
-                try:
-                    self._on_down(model, reason)
-                except Exception:  # noqa: BLE001
-                    logger.exception("on_down(%s) failed", model)
+            self._marks.notify(model, reason)
         return was_up
 
     def mark_up(self, model: str, resolved: Any) -> None:
@@ -304,31 +293,19 @@ class TritonTransport:
         info = resolved if isinstance(resolved, dict) else {}
         with self._lock:
             self._procs.pop(model, None)
-            self._down.pop(model, None)
+        self._marks.clear(model)
         self._set_proc(model, info)
         logger.warning("model %s is up again", model)
 
     def down(self) -> Dict[str, str]:
         """Models marked down now: ``{model: reason}``."""
-        with self._lock:
-            return dict(self._down)
+        return self._marks.snapshot()
 
     def is_down(self, model: str) -> bool:
         """True while ``model`` is marked down (its stub died; see :meth:`mark_down`)."""
-        with self._lock:
-            return model in self._down
+        return model in self._marks
 
     # ----------------------------------------------------------- transport
-    def _open(self, model: str) -> Tuple[int, "queue.Queue"]:
-        seg, q = next(self._ids), queue.Queue()
-        with self._lock:
-            self._segs[seg] = (model, q)
-        return seg, q
-
-    def _close(self, seg: int) -> None:
-        with self._lock:
-            self._segs.pop(seg, None)
-
     def _after_release(self, model: str, rid: str) -> Optional[threading.Event]:
         """The pending release of ``rid`` on ``model`` a new segment must wait for, or None."""
         with self._lock:
@@ -336,10 +313,7 @@ class TritonTransport:
 
     def interrupt(self) -> None:
         """Wake every segment waiting for a response: each yields one tick now (see ``tick_s``)."""
-        with self._lock:
-            queues = [q for _, q in self._segs.values()]
-        for q in queues:
-            q.put(None)
+        self._segments.interrupt()
 
     def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
         """One visit of ``rid`` to ``model`` as a decoupled BLS ``run`` request.
@@ -353,38 +327,20 @@ class TritonTransport:
             PeerChannelError: the model sent nothing for ``stall_timeout_s``.
         """
         self._know(model)
-        seg, q = self._open(model)
+        seg, q = self._segments.open(model)
         try:
             _Pump(self, model, {"request_id": rid, "op": "run", "input_ids": list(tokens), "peer_req": header},
                   lambda ids, ev: q.put((ids, ev)), after=self._after_release(model, rid))
-            deadline = time.monotonic() + self.stall_timeout_s
-            while True:
-                try:
-                    item = q.get(timeout=self.tick_s)
-                    if item is None:  # interrupt()
-                        raise queue.Empty
-                    toks, ev = item
-                except queue.Empty:
-                    if self.stall_timeout_s and time.monotonic() > deadline:
-                        raise PeerChannelError(
-                            f"model {model} sent nothing for {self.stall_timeout_s:.0f} s") from None
-                    yield [], {"kind": "tick"}
-                    continue
-                deadline = time.monotonic() + self.stall_timeout_s
-                kind = ev.get("kind")
-                if kind == "peer_down":
-                    raise PeerDownError(model, ev.get("message") or f"model {model} is down")
-                if kind == "error":
-                    raise RuntimeError(ev.get("message") or f"model {model}: error")
-                if kind == "_end":
-                    raise RuntimeError(f"model {model} ended the request's stream without a final event")
-                if kind == "_empty":
-                    continue
-                yield toks, ev
-                if kind in FINAL:
-                    return
-        finally:
-            self._close(seg)
+        except BaseException:
+            self._segments.close(seg)
+            raise
+
+        def check(_toks, ev) -> bool:
+            if ev.get("kind") == "_end":
+                raise RuntimeError(f"model {model} ended the request's stream without a final event")
+            return ev.get("kind") != "_empty"  # a response without values
+
+        yield from self._segments.responses(model, seg, q, check)
 
     def release(self, model: str, rid: str) -> None:
         """Free ``rid``'s state on ``model`` (a BLS ``release``; does not wait for it).
@@ -437,10 +393,7 @@ class TritonTransport:
 
     def fail_all(self, message: str) -> None:
         """End every open segment with :class:`PeerDownError` ``message`` (used at shutdown)."""
-        with self._lock:
-            entries = list(self._segs.values())
-        for _, q in entries:
-            q.put(([], {"kind": "peer_down", "message": message}))
+        self._segments.fail(message)
 
     def close(self) -> None:
         """Stop the liveness watch (burials stay until the process ends: no fence can pass any more)."""

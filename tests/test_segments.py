@@ -1,0 +1,125 @@
+"""The open segments and down marks both router-side transports keep (no server needed)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from tokenrouter.routing.segments import DownMarks, PeerChannelError, PeerDownError, Segments
+
+
+def test_next_ticks_then_stalls():
+    segs = Segments(tick_s=0.02, stall_timeout_s=0.15)
+    seg, q = segs.open("llm")
+    deadline = segs.deadline()
+    t0 = time.monotonic()
+    assert segs.next("llm", q, deadline) is None  # a tick: nothing came
+    assert time.monotonic() - t0 >= 0.015
+    with pytest.raises(PeerChannelError, match="model llm sent nothing"):
+        while True:
+            segs.next("llm", q, deadline)
+    assert time.monotonic() - t0 >= 0.15
+
+
+def test_no_stall_timeout_waits_forever():
+    segs = Segments(tick_s=0.01, stall_timeout_s=0)
+    _, q = segs.open("llm")
+    deadline = segs.deadline()
+    for _ in range(5):
+        assert segs.next("llm", q, deadline) is None
+
+
+def test_put_reaches_open_segments_only():
+    segs = Segments(tick_s=0.01, stall_timeout_s=1)
+    seg, q = segs.open("slm")
+    assert segs.put(seg, ([7], {"kind": "tokens"}))
+    assert segs.next("slm", q, segs.deadline()) == ([7], {"kind": "tokens"})
+    segs.close(seg)
+    assert not segs.put(seg, ([8], {"kind": "tokens"}))  # a late response is dropped
+    assert q.empty()
+
+
+def test_fail_ends_one_owners_segments():
+    segs = Segments(tick_s=0.01, stall_timeout_s=1)
+    _, q_llm = segs.open("llm")
+    _, q_slm = segs.open("slm")
+    segs.fail("model llm is down: gone", owner="llm")
+    assert segs.next("llm", q_llm, segs.deadline()) == ([], {"kind": "peer_down",
+                                                            "message": "model llm is down: gone"})
+    assert segs.next("slm", q_slm, segs.deadline()) is None
+    segs.fail("shutting down")  # every owner
+    assert segs.next("slm", q_slm, segs.deadline())[1]["message"] == "shutting down"
+
+
+def test_interrupt_wakes_a_waiting_segment_at_once():
+    segs = Segments(tick_s=30.0, stall_timeout_s=0)
+    _, q = segs.open("llm")
+    woke = []
+    waiter = threading.Thread(target=lambda: woke.append(segs.next("llm", q, segs.deadline())))
+    waiter.start()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    segs.interrupt()
+    waiter.join(5)
+    assert woke == [None] and time.monotonic() - t0 < 5
+
+
+def test_down_marks_call_on_down_once_per_mark():
+    calls = []
+    marks = DownMarks(on_down=lambda m, r: calls.append((m, r)))
+    assert marks.mark("llm", "model llm is down: first")
+    assert not marks.mark("llm", "model llm is down: second")  # already down: no second call
+    assert calls == [("llm", "model llm is down: first")]
+    assert marks.reason("llm") == "model llm is down: second" and "llm" in marks
+    assert marks.snapshot() == {"llm": "model llm is down: second"}
+    assert marks.clear("llm") and not marks.clear("llm") and "llm" not in marks
+    assert marks.mark("llm", "again") and calls[-1] == ("llm", "again")
+
+
+def test_a_failing_on_down_is_logged_not_raised(caplog):
+    def boom(model, reason):
+        raise RuntimeError("callback broke")
+
+    marks = DownMarks(on_down=boom)
+    assert marks.mark("slm", "model slm is down")
+    assert "on_down(slm) failed" in caplog.text and marks.reason("slm") == "model slm is down"
+
+
+def test_responses_until_final_with_the_transports_check():
+    segs = Segments(tick_s=0.01, stall_timeout_s=1)
+    seg, q = segs.open("llm")
+    for item in [([1], {"kind": "tokens"}), ([], {"kind": "_empty"}), ([2], {"kind": "handoff"}),
+                 ([3], {"kind": "tokens"})]:
+        q.put(item)
+    got = [ev["kind"] for _, ev in segs.responses("llm", seg, q, check=lambda t, ev: ev["kind"] != "_empty")]
+    assert got == ["tokens", "handoff"]  # skipped the transport's own kind, stopped at the final one
+    assert not segs.put(seg, ([4], {"kind": "tokens"}))  # and closed the segment
+
+
+def test_responses_raise_for_down_error_and_check():
+    segs = Segments(tick_s=0.01, stall_timeout_s=1)
+    for event, exc, text in [({"kind": "peer_down", "message": "model llm is down: x"}, PeerDownError, "down: x"),
+                             ({"kind": "error", "message": "model llm: bad"}, RuntimeError, "bad"),
+                             ({"kind": "_end"}, ValueError, "no final")]:
+        seg, q = segs.open("llm")
+        q.put(([], event))
+
+        def check(_t, ev):
+            if ev["kind"] == "_end":
+                raise ValueError("no final event")
+            return True
+
+        with pytest.raises(exc, match=text):
+            list(segs.responses("llm", seg, q, check))
+        assert not segs.put(seg, ([], {"kind": "tokens"}))
+
+
+def test_responses_close_the_segment_when_the_caller_stops():
+    segs = Segments(tick_s=0.01, stall_timeout_s=0)
+    seg, q = segs.open("slm")
+    stream = segs.responses("slm", seg, q)
+    assert next(stream) == ([], {"kind": "tick"})
+    stream.close()  # e.g. the request was cancelled
+    assert not segs.put(seg, ([1], {"kind": "tokens"}))
