@@ -369,6 +369,43 @@ def test_serve_refuses_bad_options_before_starting(args, message):
     assert "tritonserver" not in r.stdout, r.stdout
 
 
+
+def test_serve_stops_waiting_when_a_model_fails_to_load(tmp_path):
+    """A router that cannot load (an unknown algorithm, written by hand: the repository tool
+    refuses it) ends ``deploy/serve --background`` with the load error, not after --timeout,
+    and nothing of the server is left."""
+    from tritonserver import free_ports
+
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(ROOT, "model_repository"), repo)
+    cfg = repo / "token_router" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace('string_value: "rstitch"', 'string_value: "nope"'))
+    assert '"nope"' in cfg.read_text()
+    http, grpc, metrics, openai = free_ports(4)
+    regions_before = set(glob.glob("/dev/shm/triton_*"))
+    r = subprocess.run([os.path.join(ROOT, "deploy", "serve"), "--background", "--name", "badload",
+                        "--model-repository", str(repo), "--timeout", "590", "--http-port", str(http),
+                        "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--openai-port", str(openai)],
+                       capture_output=True, text=True, timeout=580)  # well before --timeout
+    assert r.returncode == 1, (r.stdout, r.stderr)
+    assert "a model failed to load 'token_router' version 1: " in r.stderr
+    assert "unknown routing algorithm 'nope'" in r.stderr and "raise --timeout" not in r.stderr
+    status = subprocess.run([os.path.join(ROOT, "deploy", "serve"), "--status", "--name", "badload"],
+                            capture_output=True, text=True, timeout=60)
+    assert "not running" in status.stdout + status.stderr
+    left = subprocess.run(["pgrep", "-f", str(repo)], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout
+    # the stubs' shared-memory regions are gone too (a region another server's process maps is theirs)
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split()[-1] for line in f if "/dev/shm/triton_" in line)
+        except OSError:
+            pass
+    leaked = set(glob.glob("/dev/shm/triton_*")) - regions_before - mapped
+    assert not leaked, leaked
+
 def test_tools_default_to_the_grpc_port_of_deploy_serve(monkeypatch):
     """Every tool's --url default follows $TOKENROUTER_GRPC_PORT, as deploy/serve's port does."""
     from tokenrouter.tools import default_grpc_url

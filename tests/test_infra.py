@@ -107,6 +107,36 @@ def test_repository_variant_rejects_an_unknown_transport(repo_root, tmp_path):
     assert not (Path(repo) / "r4").exists()
 
 
+@pytest.mark.parametrize("kwargs, message", [
+    ({"model_params": {"token_router": {"algorithm": "nope"}}},
+     "router token_router: unknown routing algorithm 'nope'"),
+    ({"model_params": {"token_router": {"algorithm_params": '{"tau": 5}'}}}, "'tau'=5.0 outside"),
+    ({"model_params": {"token_router": {"algorithm_params": "[1]"}}}, "must be a JSON object"),
+    ({"model_params": {"token_router": {"models": "slm"}}}, "needs between 2 and 2 models"),
+    # a router copied from token_router gets the pair's algorithm_params (max_llm_run: R-Stitch only)
+    ({"pair": "size-realistic", "routers": {"r_citer": {"algorithm": "citer"}}},
+     "router r_citer: unknown parameters for algorithm 'citer': \\['max_llm_run'\\]"),
+])
+def test_repository_variant_rejects_routing_its_router_would_not_load(repo_root, tmp_path, kwargs, message):
+    from tokenrouter.tools.repository import make_variant
+
+    out = tmp_path / "variant"
+    with pytest.raises(ValueError, match=message):
+        make_variant(str(repo_root / "model_repository"), str(out), **kwargs)
+    assert not out.exists()  # refused before anything was written
+
+
+def test_repository_variant_keeps_routing_its_router_loads(repo_root, tmp_path):
+    from tokenrouter.tools.repository import make_variant, read_config
+
+    repo = make_variant(str(repo_root / "model_repository"), str(tmp_path / "v"), "size-realistic",
+                        model_params={"token_router": {"algorithm": "rstitch"}},
+                        routers={"r_none": {"algorithm": "none", "algorithm_params": '{"model": 1}'}})
+    params = read_config(str(Path(repo) / "r_none" / "config.pbtxt")).parameters
+    assert params["algorithm"].string_value == "none"
+    assert params["algorithm_params"].string_value == '{"model": 1}'
+
+
 ECHO_MODEL = textwrap.dedent('''
     import locale
     locale.setlocale(locale.LC_ALL, "C.UTF-8")  # the stub runs in the C locale

@@ -371,7 +371,9 @@ def test_admin_command_line(triton_server):
     p = run("configure", "--models", "llm", '{"stream_interval": 1}')
     assert p.returncode == 0 and set(json.loads(p.stdout)) == {"llm"}, p.stderr
     p = run("configure", "--models", "llm", '{"no_such_setting": 1}')
-    assert p.returncode == 1 and "no_such_setting" in p.stderr
+    assert p.returncode == 1 and "no_such_setting" in p.stderr and p.stdout == ""  # no answer: no JSON
+    p = run("configure", "--models", "llm,slm", '{"stream_interval": 0}')
+    assert p.returncode == 1 and p.stdout == "" and "stream_interval" in p.stderr
     p = run("configure", "not json")
     assert p.returncode == 2 and "JSON" in p.stderr
     p = run("stats", "--models", "nosuchmodel")

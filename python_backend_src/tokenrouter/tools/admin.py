@@ -231,7 +231,8 @@ def main(argv=None) -> int:
             else:
                 out[m] = configure(a.url, m, **settings)
     except Exception as e:  # noqa: BLE001 - a CLI: report and exit non-zero
-        print(json.dumps(out, indent=1))
+        if out:  # the models that answered before the error
+            print(json.dumps(out, indent=1))
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(json.dumps(out, indent=1))
