@@ -188,30 +188,22 @@ class TritonServer:
         """
         if self.process is not None:
             raise TritonServerError("already started")
-        try:
-            self._launch(load_threads=2)
-            self._wait_ready()
-        except TritonServerError:
-            tail = self.log_tail(200)
-            self.stop()
-            if _STUB_START_ABORT not in tail:
+        for load_threads in (2, 1):
+            try:
+                self._launch(load_threads)
+                self._wait_ready()
+                return self
+            except TritonServerError:
+                tail = self.log_tail(200)
+                self.stop()
+                if load_threads == 1 or _STUB_START_ABORT not in tail:
+                    raise
+                sys.stderr.write(
+                    f"tritonserver aborted while loading two models at once ({_STUB_START_ABORT}); "
+                    "retrying one model at a time. Log tail:\n" + "\n".join(tail.splitlines()[-20:]) + "\n")
+            except BaseException:
+                self.stop()
                 raise
-            sys.stderr.write(
-                f"tritonserver aborted while loading two models at once ({_STUB_START_ABORT}); "
-                f"retrying one model at a time. Log tail:\n" + "\n".join(tail.splitlines()[-20:]) + "\n"
-            )
-        except BaseException:
-            self.stop()
-            raise
-        else:
-            return self
-        try:
-            self._launch(load_threads=1)
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _launch(self, load_threads: int) -> None:
         self._workdir = Path(tempfile.mkdtemp(prefix="tritonserver-test-"))

@@ -7,7 +7,8 @@ See docs/algorithms/ for the rules, parameters and router training.
 
 from __future__ import annotations
 
-from typing import Dict, Type
+import json
+from typing import Any, Dict, Mapping, Tuple, Type, Union
 
 from .base import ParamSpec, RoutingAlgorithm
 from .citer import CITER
@@ -32,4 +33,32 @@ def get_algorithm(name: str) -> Type[RoutingAlgorithm]:
         raise ValueError(f"unknown routing algorithm {name!r}; known: {sorted(ALGORITHMS)}") from None
 
 
-__all__ = ["ALGORITHMS", "get_algorithm", "RoutingAlgorithm", "ParamSpec"]
+def configure(name: str, params: Union[str, Mapping[str, Any], None],
+              n_models: int) -> Tuple[Type[RoutingAlgorithm], Dict[str, Any]]:
+    """An algorithm and its checked parameters, from a router's config or a PeerReq.
+
+    Args:
+        name: a key of :data:`ALGORITHMS`.
+        params: the parameters as a mapping, or as JSON object text (a router's
+            ``algorithm_params``; empty or None = no parameters).
+        n_models: how many models the request or deployment routes between.
+
+    Returns:
+        ``(algorithm class, validated parameters)`` (``RoutingAlgorithm.validate_params``).
+
+    Raises:
+        ValueError: unknown name, ``params`` not a JSON object, or parameters / a model
+            count the algorithm does not accept.
+    """
+    cls = get_algorithm(name)
+    if params is None or isinstance(params, (str, bytes)):
+        try:
+            params = json.loads(params or "{}")
+        except ValueError as e:
+            raise ValueError(f"algorithm_params is not valid JSON: {e}") from None
+        if not isinstance(params, dict):
+            raise ValueError("algorithm_params must be a JSON object")
+    return cls, cls.validate_params(params, n_models)
+
+
+__all__ = ["ALGORITHMS", "get_algorithm", "configure", "RoutingAlgorithm", "ParamSpec"]

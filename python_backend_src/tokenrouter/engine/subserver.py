@@ -31,7 +31,8 @@ from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
-from ..algorithms import RoutingAlgorithm, get_algorithm
+from ..algorithms import RoutingAlgorithm
+from ..algorithms import configure as configure_algorithm
 from ..routing.protocol import FinishReason, PeerReq
 from .output_processor import OutputProcessorMixin
 from .sampling import BatchSampler, validate_sampling
@@ -401,8 +402,7 @@ class Subserver(OutputProcessorMixin):
     def _make_algo(self, peer_req: PeerReq) -> RoutingAlgorithm:
         if self.name not in peer_req.models:
             raise ValueError(f"model {self.name!r} is not in the request's model list {peer_req.models}")
-        cls = get_algorithm(peer_req.algorithm)
-        params = cls.validate_params(peer_req.params, len(peer_req.models))
+        cls, params = configure_algorithm(peer_req.algorithm, peer_req.params, len(peer_req.models))
         algo = cls(peer_req.models.index(self.name), len(peer_req.models), params)
         algo.attach(self.engine)  # learned routers: hidden-state capture check, embeddings
         return algo

@@ -119,12 +119,11 @@ class DirectRouter:
         sglang_cpu_compat.install()
         from transformers import AutoTokenizer
 
-        from ..algorithms import get_algorithm
+        from ..algorithms import configure as configure_algorithm
         from .router_core import stop_token_ids
 
         self.cluster, self.models, self.algorithm = cluster, list(models), algorithm
-        self.algo_cls = get_algorithm(algorithm)
-        self.params = self.algo_cls.validate_params(params or {}, len(models))
+        self.algo_cls, self.params = configure_algorithm(algorithm, params or {}, len(models))
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self._ids = itertools.count()

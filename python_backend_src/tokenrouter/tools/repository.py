@@ -159,7 +159,7 @@ def check_routing(name: str, params: Mapping[str, object], base_cfg) -> None:
     """
     if not any(k in params for k in ("algorithm", "algorithm_params", "models")):
         return
-    from ..algorithms import get_algorithm  # noqa: PLC0415 - torch; only when routing settings change
+    from ..algorithms import configure  # noqa: PLC0415 - torch; only when routing settings change
 
     def value(key: str, default: str) -> str:
         if key in params:
@@ -168,11 +168,7 @@ def check_routing(name: str, params: Mapping[str, object], base_cfg) -> None:
 
     models = [m.strip() for m in value("models", "slm,llm").split(",") if m.strip()]
     try:
-        algo = get_algorithm(value("algorithm", "rstitch").strip())
-        raw = json.loads(value("algorithm_params", "{}") or "{}")
-        if not isinstance(raw, dict):
-            raise ValueError("algorithm_params must be a JSON object")
-        algo.validate_params(raw, len(models))
+        configure(value("algorithm", "rstitch"), value("algorithm_params", "{}"), len(models))
     except ValueError as e:
         raise ValueError(f"router {name}: {e}") from None
 

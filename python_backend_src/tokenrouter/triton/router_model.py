@@ -100,7 +100,7 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..algorithms import get_algorithm
+from ..algorithms import configure as configure_algorithm
 from ..engine.detok import IncrementalDetokenizer
 from ..engine.sampling import SamplingParams, parse_sampling_parameters
 from ..routing.curve import CurveClient
@@ -230,9 +230,8 @@ class TritonPythonModel:
         self.models = [m.strip() for m in param(p, "models", "slm,llm").split(",") if m.strip()]
         online_settings = self._online_settings(p)  # checked before anything is started
         self.algorithm = param(p, "algorithm", "rstitch")
-        self.algo_cls = get_algorithm(self.algorithm)
-        self.base_params = self.algo_cls.validate_params(
-            json.loads(param(p, "algorithm_params", "{}") or "{}"), len(self.models))
+        self.algo_cls, self.base_params = configure_algorithm(
+            self.algorithm, param(p, "algorithm_params", "{}"), len(self.models))
         self.default_max_tokens = param(p, "default_max_tokens", 16, int)
         from transformers import AutoTokenizer  # after the stub's locale fix
 
