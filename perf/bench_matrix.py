@@ -40,7 +40,10 @@ Measurement (per cell: mode × concurrency N × max output tokens):
   over all windows of all repeats; its latency percentiles are the median over
   the repeats, its counters the sum.  A ratio of two modes is then *paired*: the
   geometric mean of the R per-repeat ratios with a 95 % Student-t interval of
-  their logs (:func:`ratio_interval`).
+  their logs (:func:`ratio_interval`).  ``--interleave-lengths`` alternates the
+  output lengths inside each repeat as well (N, repeat 1: L1 L2, repeat 2: L1 L2 …),
+  so the throughput change from the shortest to the longest length, tabled per
+  mode, is paired in the same way.
 * **CPU by process**: the CPU seconds each process used over the measurement period
   (:func:`cpu_seconds`: the models' stubs, the router stubs, tritonserver, the load
   generator; in no-triton the model workers and the driving process), divided by the
@@ -439,6 +442,20 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
         run_no_triton(pair, repo, args, results, out_dir, prompts, tok)
 
 
+def cell_schedule(concurrency: List[int], lengths: List[int], repeats: int,
+                  interleave_lengths: bool = False) -> List[tuple]:
+    """The order in which one server measures its cells: a list of ``(N, L, repeat)``.
+
+    By default every length's concurrencies in turn, each (N, L) with its ``repeats`` back to
+    back (the modes interleave inside a repeat).  With ``interleave_lengths`` each N's lengths
+    alternate inside every repeat (N, rep 0: L1 L2 …, rep 1: L1 L2 …), so that the ratio of
+    two lengths' throughput is paired per repeat like the ratio of two modes.
+    """
+    if interleave_lengths:
+        return [(N, L, rep) for N in concurrency for rep in range(repeats) for L in lengths]
+    return [(N, L, rep) for L in lengths for N in concurrency for rep in range(repeats)]
+
+
 def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], tok, prompts: List[str],
                       nt: Optional["NoTriton"], args, results: Dict[str, Any], out_dir: str) -> None:
     """The cells of one tritonserver on ``repo`` (and, interleaved, ``nt``'s no-Triton cells)."""
@@ -450,63 +467,62 @@ def _run_server_cells(pair: str, repo: str, work: str, events: Dict[str, str], t
         run_load(url, prompts, 2, 8)  # warm-up
         calib = (calibrate_server(url, max(args.concurrency), os.path.join(work, "calibration.json"))
                  if args.calibrate and "tokenrouter" in args.modes else None)
-        for L in args.max_tokens:
-            for N in args.concurrency:
-                bstar = wait_us = None
-                by_mode: Dict[str, List[Dict[str, Any]]] = {}
-                for rep in range(args.repeats):
-                    eager_row = None  # this repeat's eager-async measurement
-                    for mode in _mode_order(args.modes, nt is not None):
-                        if mode == "tokenrouter" and bstar is None:  # no eager-async cell: profile one first
-                            configure_mode(url, "eager-async")
-                            start = {m: _events_size(events[m]) for m in MODELS}
-                            eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
-                            lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-                            wait_us = wait_bound_us(eager["model_stats"], args.wait_factor)
-                            bstar = b_star_from_events(lines, N, work, calib, wait_us)
-                            eager_row = {"pair": pair, "mode": "eager-async", "N": N, "max_tokens": L, **eager}
-                        B = {**bstar["B_star"], **args.batch_override} if mode == "tokenrouter" else None
-                        if mode == "tokenrouter" and eager_row is not None and all(B[m] == 1 for m in MODELS):
-                            # B = 1 everywhere is eager-async's configuration (configure_mode): the same run
-                            row = {**copy.deepcopy(eager_row), "mode": "tokenrouter", "same_run_as": "eager-async"}
-                        elif mode == "no-triton":  # tokenrouter's B* of this cell, as run_no_triton takes it
-                            B = {**bstar["B_star"], **args.batch_override} if bstar else {m: 1 for m in MODELS}
-                            for m in MODELS:  # the idle server's models: eager
-                                admin.configure(url, m, **RESET)
-                            row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
-                                   **nt.measure(prompts, N, L, args, B, (wait_us or 0) if bstar else 0, tok,
-                                                server_pid=srv.process.pid)}
-                        else:
-                            router = configure_mode(url, mode, B, wait_us or 0)
-                            start = {m: _events_size(events[m]) for m in MODELS}
-                            row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
-                                   **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok,
-                                                  probe=probe, cpu=cpu)}
-                        if mode == "eager-async":
-                            eager_row = row
-                        if mode == "eager-async" and "tokenrouter" in args.modes and rep == 0:
-                            lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-                            wait_us = wait_bound_us(row["model_stats"], args.wait_factor)
-                            bstar = b_star_from_events(lines, N, work, calib, wait_us)
-                        if mode == "tokenrouter":
-                            row["B_star"] = B
-                            row["B_dtmc"] = bstar["B_star"]
-                            row["wait_us"] = wait_us
-                            row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
-                        by_mode.setdefault(mode, []).append(row)
-                        print(_line(pair, mode, N, L, row)
-                              + (f"  (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""), flush=True)
-                        if args.repeats > 1:
-                            results.setdefault("repeat_rows", []).append({**row, "repeat": rep})
-                        else:
-                            results["rows"].append(row)
-                        _save(results, out_dir)
+        state: Dict[tuple, Dict[str, Any]] = {}  # (N, L) -> B*, wait bound, rows by mode
+        for N, L, rep in cell_schedule(args.concurrency, args.max_tokens, args.repeats, args.interleave_lengths):
+            st = state.setdefault((N, L), {"bstar": None, "wait_us": None, "by_mode": {}})
+            eager_row = None  # this repeat's eager-async measurement
+            for mode in _mode_order(args.modes, nt is not None):
+                if mode == "tokenrouter" and st["bstar"] is None:  # no eager-async cell: profile one first
+                    configure_mode(url, "eager-async")
+                    start = {m: _events_size(events[m]) for m in MODELS}
+                    eager = measure_cell(url, prompts, N, L, args, tokenizer=tok, probe=probe)
+                    lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
+                    st["wait_us"] = wait_bound_us(eager["model_stats"], args.wait_factor)
+                    st["bstar"] = b_star_from_events(lines, N, work, calib, st["wait_us"])
+                    eager_row = {"pair": pair, "mode": "eager-async", "N": N, "max_tokens": L, **eager}
+                bstar, wait_us = st["bstar"], st["wait_us"]
+                B = {**bstar["B_star"], **args.batch_override} if mode == "tokenrouter" else None
+                if mode == "tokenrouter" and eager_row is not None and all(B[m] == 1 for m in MODELS):
+                    # B = 1 everywhere is eager-async's configuration (configure_mode): the same run
+                    row = {**copy.deepcopy(eager_row), "mode": "tokenrouter", "same_run_as": "eager-async"}
+                elif mode == "no-triton":  # tokenrouter's B* of this cell, as run_no_triton takes it
+                    B = {**bstar["B_star"], **args.batch_override} if bstar else {m: 1 for m in MODELS}
+                    for m in MODELS:  # the idle server's models: eager
+                        admin.configure(url, m, **RESET)
+                    row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
+                           **nt.measure(prompts, N, L, args, B, (wait_us or 0) if bstar else 0, tok,
+                                        server_pid=srv.process.pid)}
+                else:
+                    router = configure_mode(url, mode, B, wait_us or 0)
+                    start = {m: _events_size(events[m]) for m in MODELS}
+                    row = {"pair": pair, "mode": mode, "N": N, "max_tokens": L,
+                           **measure_cell(url, prompts, N, L, args, model=router, tokenizer=tok,
+                                          probe=probe, cpu=cpu)}
+                if mode == "eager-async":
+                    eager_row = row
+                if mode == "eager-async" and "tokenrouter" in args.modes and rep == 0:
+                    lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
+                    st["wait_us"] = wait_bound_us(row["model_stats"], args.wait_factor)
+                    st["bstar"] = b_star_from_events(lines, N, work, calib, st["wait_us"])
+                if mode == "tokenrouter":
+                    row["B_star"] = B
+                    row["B_dtmc"] = bstar["B_star"]
+                    row["wait_us"] = wait_us
+                    row["dtmc_throughput_tok_s"] = bstar.get("throughput_tokens_per_s")
+                st["by_mode"].setdefault(mode, []).append(row)
+                print(_line(pair, mode, N, L, row)
+                      + (f"  (repeat {rep + 1}/{args.repeats})" if args.repeats > 1 else ""), flush=True)
                 if args.repeats > 1:
-                    for mode, rows in by_mode.items():
-                        results["rows"].append(merge_repeats(rows))
-                        print(_line(pair, mode, N, L, results["rows"][-1]) + f"  (merged, {len(rows)} repeats)",
-                              flush=True)
-                    _save(results, out_dir)
+                    results.setdefault("repeat_rows", []).append({**row, "repeat": rep})
+                else:
+                    results["rows"].append(row)
+                _save(results, out_dir)
+            if args.repeats > 1 and rep == args.repeats - 1:  # the cell's last repeat: merge it
+                for mode, rows in st["by_mode"].items():
+                    results["rows"].append(merge_repeats(rows))
+                    print(_line(pair, mode, N, L, results["rows"][-1]) + f"  (merged, {len(rows)} repeats)",
+                          flush=True)
+                _save(results, out_dir)
         for m in MODELS:
             admin.configure(url, m, **RESET)
         results.setdefault("triton_batching", {})[pair] = triton_batching(srv.http_url)
@@ -641,7 +657,7 @@ def merge_repeats(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     ``handoffs_per_request``, ``warmup_s``: the mean; request/token counts and the
     models' counter increases (``model_stats``): the sum; ``busy_share``: the spread of
     the repeats' means; ``cpu_share``: each role's mean.  Other keys (B*, settings) come from the
-    first repeat.
+    first repeat; ``same_run_as`` only where every repeat reused that run.
 
     Raises:
         ValueError: ``rows`` is empty.
@@ -650,6 +666,8 @@ def merge_repeats(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
         raise ValueError("no rows to merge")
     out = dict(rows[0])
     out["repeats"] = len(rows)
+    if any(r.get("same_run_as") != rows[0].get("same_run_as") for r in rows):
+        out.pop("same_run_as", None)  # only some repeats reused another mode's run: the merge is its own
     for key, windows in (("throughput", "throughput_tok_s_windows"), ("requests", "requests_per_s_windows")):
         xs = [x for r in rows for x in r.get(windows, [])]
         sp = spread(xs)
@@ -677,7 +695,7 @@ def merge_repeats(rows: List[Dict[str, Any]]) -> Dict[str, Any]:
     return out
 
 
-def ratio_interval(a: Dict[str, Any], b: Dict[str, Any]) -> tuple:
+def ratio_interval(a: Dict[str, Any], b: Dict[str, Any], paired: bool = True) -> tuple:
     """Throughput ratio a / b of two rows with its 95 % interval from the windows' spread.
 
     Rows merged from interleaved repeats (``throughput_repeats`` of equal length R >= 2 on
@@ -696,7 +714,7 @@ def ratio_interval(a: Dict[str, Any], b: Dict[str, Any]) -> tuple:
     if reuses(a, b) or reuses(b, a):
         return 1.0, 1.0, 1.0  # one measurement under both names (B* = 1: tokenrouter is eager-async)
     ra, rb = a.get("throughput_repeats") or [], b.get("throughput_repeats") or []
-    if len(ra) == len(rb) >= 2 and all(x > 0 for x in ra + rb):
+    if paired and len(ra) == len(rb) >= 2 and all(x > 0 for x in ra + rb):
         from scipy.stats import t as student_t
 
         logs = [math.log(x / y) for x, y in zip(ra, rb)]
@@ -768,6 +786,22 @@ def markdown(results: Dict[str, Any]) -> str:
                 x, lo, hi = ratio_interval(r, by[(*k, b)])
                 cells.append(_fmt(x) + "×" + ("" if math.isnan(lo) else f" ({_fmt(lo)}–{_fmt(hi)})"))
             lines.append(f"| {k[0]} | {k[1]} | {k[2]} | " + " | ".join(cells) + " |")
+    lengths = sorted({r["max_tokens"] for r in rows})
+    if len(lengths) > 1:
+        lo_l, hi_l = lengths[0], lengths[-1]
+        paired = bool(results["settings"].get("interleave_lengths"))
+        lines += ["", f"Throughput change from {lo_l} to {hi_l} output tokens, per mode (95 % interval; "
+                  + ("paired over the interleaved repeats" if paired else
+                     "from the windows' spread: the two lengths ran one after the other, so the host's drift "
+                     "between them is in the figure; --repeats R --interleave-lengths pairs them") + "):", "",
+                  "| pair | N | mode | change |", "|---|---|---|---|"]
+        for r in rows:
+            if r["max_tokens"] != hi_l or (r["pair"], r["N"], lo_l, r["mode"]) not in by:
+                continue
+            x, lo, hi = ratio_interval(r, by[(r["pair"], r["N"], lo_l, r["mode"])], paired=paired)
+            pct = lambda v: f"{(v - 1) * 100:+.1f} %"  # noqa: E731
+            lines.append(f"| {r['pair']} | {r['N']} | {r['mode']} | {pct(x)}"
+                         + ("" if math.isnan(lo) else f" ({pct(lo)} to {pct(hi)})") + " |")
     tri = [r for r in rows if r["mode"] == "tokenrouter-triton"]
     if tri:
         lines += ["", "Transport: tokenrouter-triton (every segment a BLS request through the models' dynamic "
@@ -902,6 +936,10 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=1,
                     help="steady state: run each (N, length)'s modes this many times, interleaved (A B A B …); "
                          "ratios are then paired per repeat (default 1)")
+    ap.add_argument("--interleave-lengths", action="store_true",
+                    help="steady state, with --repeats: alternate the output lengths inside every repeat of "
+                         "an N, so that the throughput change from the shortest to the longest length is "
+                         "paired per repeat as well (default: each length's cells in turn)")
     ap.add_argument("--warmup-s", type=float, default=0.0,
                     help="steady state: minimum warm-up in seconds (besides every client finishing one request)")
     ap.add_argument("--one-shot", action="store_true",
@@ -969,6 +1007,8 @@ def main(argv=None) -> int:
                  "--stream-interval >= 1")
     if a.one_shot and a.repeats > 1:
         ap.error("--repeats is for the steady-state mode")
+    if a.interleave_lengths and a.repeats < 2:
+        ap.error("--interleave-lengths pairs repeats: give --repeats 2 or more")
     a.modes = [m for m in a.modes.split(",") if m]
     bad = set(a.modes) - set(ALL_MODES) - set(EXTRA_MODES)
     if bad:
@@ -997,7 +1037,7 @@ def main(argv=None) -> int:
                 "measurement": "one-shot" if a.one_shot else "steady-state",
                 "requests_per_client": a.requests_per_client if a.one_shot else None,
                 "duration_s": None if a.one_shot else a.duration, "windows": None if a.one_shot else a.windows,
-                "repeats": a.repeats,
+                "repeats": a.repeats, "interleave_lengths": a.interleave_lengths,
                 "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor,
                 "calibrate": a.calibrate, "full": a.full, "stream_interval": a.stream_interval,
                 "cpu_count": os.cpu_count(),

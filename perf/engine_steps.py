@@ -11,7 +11,7 @@ comparison quoted in the README ("CPU batched attention").  Resume steps run as
 extend forwards and keep the batched extend attention either way.
 
     source deploy/env.sh
-    python perf/engine_steps.py                                   # SLM, bf16 (the size-realistic pair's dtype), 1 thread, batch 1, 8, 32
+    python perf/engine_steps.py                                   # SLM as the size-realistic pair serves it (dtype auto), 1 thread, batch 1, 8, 32
     python perf/engine_steps.py --dtype float32                   # the demo pair's dtype
     python perf/engine_steps.py --sglang-decode                   # the same with SGLang's decode loop
     python perf/engine_steps.py --model llama-size-realistic --load-format dummy
@@ -37,7 +37,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="folder under $TOKENROUTER_WEIGHTS, or an absolute path (default smollm2-135m-instruct)")
-    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--dtype", default="auto",
+                    help="float32, bfloat16, float16 or auto (the size-realistic pair's: bfloat16 where the CPU "
+                         "has native bf16, else float32)")
+    ap.add_argument("--cpu-linear-weights", default="packed",
+                    help="dual, packed (the size-realistic pair's) or rowmajor")
     ap.add_argument("--load-format", default="auto", help="auto, or dummy for random weights")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as served)")
     ap.add_argument("--batch-sizes", default="1,8,32")
@@ -62,6 +66,7 @@ def main(argv=None) -> int:
     need = max(bs) * (a.context + a.decode_steps + 4)
     engine = SGLangEngine(EngineConfig(model_path=resolve_model_path(a.model), dtype=a.dtype,
                                        load_format=a.load_format, torch_threads=a.threads,
+                                       cpu_linear_weights=a.cpu_linear_weights,
                                        kv_pool_tokens=max(4096, 2 * need), max_running_requests=max(bs) + 1))
     if a.sglang_decode:
         from sglang.srt.layers.attention import torch_native_backend as tnb
@@ -73,7 +78,7 @@ def main(argv=None) -> int:
     engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
     rows = engine.calibrate(bs, context=a.context, decode_steps=a.decode_steps)
     attn = "per-request (SGLang's)" if a.sglang_decode else "batched"
-    print(f"{a.model} ({a.dtype}, {a.threads} thread(s), context {a.context}, {attn} decode attention)")
+    print(f"{a.model} ({engine.dtype}, {a.cpu_linear_weights} linear weights, {a.threads} thread(s), context {a.context}, {attn} decode attention)")
     print("| rows | decode median ms | resume ms | prefill ms (rows per step) |")
     print("|---|---|---|---|")
     for r in rows:
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
         _profile_decode(engine, max(bs), a.context, a.decode_steps)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": a.model, "dtype": a.dtype, "threads": a.threads, "context": a.context,
+            json.dump({"model": a.model, "dtype": engine.dtype, "cpu_linear_weights": a.cpu_linear_weights, "threads": a.threads, "context": a.context,
                        "decode_attention": attn, "rows": rows}, f, indent=1)
     return 0
 

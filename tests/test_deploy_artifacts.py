@@ -261,6 +261,37 @@ def test_gpu_parameters_reach_sglang_server_args(tmp_path):
         assert k in fields, f"SGLang's ServerArgs has no field {k!r} (ServerArgs(**kwargs) would raise TypeError)"
 
 
+def test_dtype_auto_is_bfloat16_only_where_the_hardware_computes_it(tmp_path):
+    """dtype "auto" (the size-realistic pair's): bf16 on GPUs and CPUs with native bf16, else fp32."""
+    from tokenrouter.engine.sglang_engine import EngineConfig, cpu_has_native_bf16, resolve_dtype, server_args_kwargs
+    from tokenrouter.tools.repository import PAIRS
+
+    def cpuinfo(name, text):
+        path = tmp_path / name
+        path.write_text(text)
+        return str(path)
+
+    zen3 = cpuinfo("zen3", "processor\t: 0\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\n"
+                           "flags\t\t: fpu sse sse2 avx avx2 fma\n")
+    zen4 = cpuinfo("zen4", "processor\t: 0\nflags\t\t: avx2 avx512f avx512bw avx512_bf16 avx512_vnni\n")
+    spr = cpuinfo("spr", "flags\t\t: avx2 avx512f amx_tile amx_bf16 amx_int8\n")
+    arm = cpuinfo("arm", "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\n")
+    assert [cpu_has_native_bf16(p) for p in (zen3, zen4, spr, arm)] == [False, True, True, True]
+    assert not cpu_has_native_bf16(str(tmp_path / "missing"))  # unreadable: no claim of bf16
+    assert resolve_dtype("auto", "cuda") == "bfloat16"
+    assert resolve_dtype("auto", "cpu") == ("bfloat16" if cpu_has_native_bf16() else "float32")
+    assert resolve_dtype("float16", "cpu") == "float16" and resolve_dtype("float32", "cuda") == "float32"
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        resolve_dtype("bf16", "cpu")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    cfg = EngineConfig(model_path=str(ckpt), dtype="auto")
+    assert server_args_kwargs(cfg, "cuda")["dtype"] == "bfloat16"  # SGLang gets a dtype, never "auto"
+    assert server_args_kwargs(cfg, "cpu")["dtype"] == resolve_dtype("auto", "cpu")
+    for role in ("slm", "llm"):  # the pair's two roles resolve alike on one host: greedy equality holds
+        assert PAIRS["size-realistic"][role]["dtype"] == "auto"
+
+
 def _sglang_server_args_fields():
     """Field names of SGLang's ServerArgs, read from its source without importing it (~10 s).
 

@@ -207,6 +207,12 @@ def test_errors_are_openai_format(client, frontend):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"stop_token_ids": [10**7]})
     assert _error(e.value)["param"] == "stop_token_ids", _error(e.value)
+    # a TokenRouter extension checked by the router: named as the client sent it
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"routing_threshold": 5})
+    err = _error(e.value)
+    assert err["param"] == "routing_threshold" and err["message"].startswith("routing_threshold"), err
+    assert "sampling_parameters" not in err["message"], err
 
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)

@@ -152,8 +152,38 @@ def test_interleaved_repeats_merge_and_pair():
     # unpaired (delta method over the windows) the drift widens the interval
     r2, lo2, hi2 = ratio_interval({**fast, "throughput_repeats": None}, {**m, "throughput_repeats": None})
     assert r2 == pytest.approx(1.25) and lo2 < 1.0 < hi2
+    # tokenrouter's first repeat reused the eager profile (B* = 1); its later repeats were measured
+    reused = [{**r, "same_run_as": "eager-async"} for r in slow]
+    assert merge_repeats(reused)["same_run_as"] == "eager-async"
+    assert "same_run_as" not in merge_repeats([reused[0], slow[1]])
     with pytest.raises(ValueError):
         merge_repeats([])
+
+
+def test_interleaved_lengths_alternate_inside_each_repeat_and_pair_the_length_change():
+    from bench_matrix import cell_schedule, main, markdown, merge_repeats
+
+    assert cell_schedule([8], [128, 512], 2) == [(8, 128, 0), (8, 128, 1), (8, 512, 0), (8, 512, 1)]
+    assert cell_schedule([8, 32], [128, 512], 2, interleave_lengths=True) == [
+        (8, 128, 0), (8, 512, 0), (8, 128, 1), (8, 512, 1), (32, 128, 0), (32, 512, 0), (32, 128, 1), (32, 512, 1)]
+
+    # a host that drifts: repeat 0 runs at full speed, repeat 1 at 60 %; the long outputs lose 10 % in each
+    def merged(L, scale):
+        return merge_repeats([{"pair": "p", "mode": "slm-only", "N": 8, "max_tokens": L, "llm_share": 0.0,
+                               "handoffs_per_request": 0.0, "throughput_tok_s": 100.0 * s * scale,
+                               "throughput_tok_s_windows": [100.0 * s * scale * f for f in (0.95, 1.05)],
+                               "requests_per_s_windows": [1.0, 1.0]} for s in (1.0, 0.6)])
+
+    rows = [merged(128, 1.0), merged(512, 0.9)]
+    paired = markdown({"settings": {"interleave_lengths": True}, "rows": rows})
+    assert "from 128 to 512 output tokens" in paired and "paired over the interleaved repeats" in paired
+    assert "| p | 8 | slm-only | -10.0 % (-10.0 % to -10.0 %) |" in paired  # the drift cancels in the pairs
+    unpaired = markdown({"settings": {"interleave_lengths": False}, "rows": rows})
+    line = next(x for x in unpaired.splitlines() if x.startswith("| p | 8 | slm-only |"))
+    low, high = (float(v.strip(" %|)")) for v in line.split("(")[1].split(" to "))
+    assert low < -10.0 < high and high - low > 20  # one after the other: the drift widens the interval
+    with pytest.raises(SystemExit):  # pairing needs repeats
+        main(["--pairs", "demo", "--max-tokens", "4,8", "--interleave-lengths"])
 
 
 def test_dtmc_confirmation_pairs_b_star_with_the_sweeps_best():

@@ -49,7 +49,9 @@ class EngineConfig:
 
     Attributes:
         model_path: HF checkpoint folder (config.json, weights, tokenizer).
-        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
+        dtype: ``"float32"``, ``"bfloat16"``, ``"float16"`` or ``"auto"``
+            (:func:`resolve_dtype`: bfloat16 on GPUs and on CPUs with native bf16
+            dot products, float32 on other CPUs).
         kv_pool_tokens: size of the private KV pool in tokens.
         max_running_requests: request rows in the pool (running + pending).
         context_length: maximum sequence length in tokens (prompt + output);
@@ -124,6 +126,51 @@ def resolve_device(device: str) -> str:
     return "cuda" if (device == "cuda" or (device == "auto" and available)) else "cpu"
 
 
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU computes bfloat16 dot products in hardware.
+
+    x86: the ``avx512_bf16`` or ``amx_bf16`` flag; Arm: the ``bf16`` feature. Without them
+    torch emulates bf16 matmuls by converting to float32 on the fly: on an AVX2-only
+    host (AMD EPYC Zen 3) a bf16 decode step of SmolLM2-135M took 349 ms against 286 ms
+    in float32 and a bf16 prefill 5× as long (``perf/engine_steps.py``, docs/performance.md
+    "Engine step times"), so halving the bytes per step gains nothing there.
+
+    Returns:
+        False also where ``cpuinfo_path`` cannot be read (not Linux).
+    """
+    try:
+        with open(cpuinfo_path, encoding="utf-8", errors="replace") as f:
+            text = f.read()
+    except OSError:
+        return False
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The weights' dtype for an engine configured with ``dtype`` on ``device`` ("cuda"/"cpu").
+
+    ``"auto"``: bfloat16 on a GPU and on a CPU with native bf16 (:func:`cpu_has_native_bf16`:
+    decode is memory-bound and bf16 halves the bytes per step), float32 on other CPUs.
+    Any other value is returned as given.
+
+    Raises:
+        ValueError: ``dtype`` is not one of :data:`DTYPES`.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
+
+
 def server_args_kwargs(cfg: EngineConfig, device: str) -> Dict[str, object]:
     """Keyword arguments of SGLang's ``ServerArgs`` for ``cfg`` on ``device`` ("cuda"/"cpu").
 
@@ -135,7 +182,7 @@ def server_args_kwargs(cfg: EngineConfig, device: str) -> Dict[str, object]:
     kwargs: Dict[str, object] = dict(
         model_path=cfg.model_path,
         tokenizer_path=cfg.model_path,
-        dtype=cfg.dtype,
+        dtype=resolve_dtype(cfg.dtype, device),
         max_total_tokens=cfg.kv_pool_tokens,
         max_running_requests=cfg.max_running_requests,
         load_format=cfg.load_format,
@@ -261,8 +308,9 @@ class SGLangEngine:
 
     Raises:
         FileNotFoundError: ``config.model_path`` has no ``config.json``.
-        ValueError: ``config.cpu_linear_weights`` is not dual, packed or rowmajor, or
-            ``config.device`` is not auto, cuda or cpu.
+        ValueError: ``config.cpu_linear_weights`` is not dual, packed or rowmajor,
+            ``config.dtype`` is not one of :data:`DTYPES`, or ``config.device`` is not
+            auto, cuda or cpu.
         RuntimeError: ``config.device`` is ``"cuda"`` and there is no GPU.
     """
 
@@ -272,6 +320,8 @@ class SGLangEngine:
             raise FileNotFoundError(f"no config.json in model_path {config.model_path!r}")
         if config.cpu_linear_weights not in ("dual", "packed", "rowmajor"):
             raise ValueError(f"cpu_linear_weights must be dual, packed or rowmajor, not {config.cpu_linear_weights!r}")
+        if config.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {config.dtype!r}")
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self._load()
@@ -295,6 +345,7 @@ class SGLangEngine:
 
         cfg = self.config
         self.device = resolve_device(cfg.device)
+        self.dtype = resolve_dtype(cfg.dtype, self.device)  # the weights' dtype ("auto" resolved)
         on_gpu = self.device == "cuda"
         if not on_gpu:
             from .sglang_cpu_compat import patch_torch_native_extend

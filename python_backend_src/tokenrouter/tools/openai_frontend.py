@@ -132,6 +132,8 @@ def _backend_error(msg: str) -> OpenAIError:
         m = re.search(r"parameters\.(\w+)", msg) or re.search(r"unknown keys[^\[]*\['(\w+)'", msg)
         if m:
             param = m.group(1)
+            # the request's field by its OpenAI name, not by token_router's input it travelled in
+            msg = re.sub(r"\bsampling_parameters\.(?=\w)", "", msg)
         elif "context length" in low:
             param = "max_tokens" if "max_tokens" in low else "prompt"
         else:

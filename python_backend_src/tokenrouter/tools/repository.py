@@ -37,11 +37,12 @@ PAIRS: Dict[str, Dict[str, Dict[str, str]]] = {
     # tau 0.4: ~9 % of the tokens go to the LLM (8.5 handoffs per 48-token request at
     # N = 8), the paper's operating regime (R2R: ~5 %).  Lower tau feeds back: every
     # random LLM token makes the SLM less sure, and at 0.3 the LLM writes 30-40 %.
-    # Both models in bfloat16 with oneDNN-packed linear weights for every step size: decode is
-    # memory-bound here and bf16 halves the bytes per step (CPUs with avx512_bf16 / AMX).
-    "size-realistic": {"slm": {"dtype": "bfloat16", "cpu_linear_weights": "packed"},
+    # Both models with oneDNN-packed linear weights for every step size, in bfloat16 where the
+    # CPU has native bf16 (avx512_bf16 / AMX; GPUs): decode is memory-bound and bf16 halves the
+    # bytes per step. Elsewhere float32: emulated bf16 is slower (dtype "auto", resolve_dtype).
+    "size-realistic": {"slm": {"dtype": "auto", "cpu_linear_weights": "packed"},
                        "llm": {"model_path": "llama-size-realistic", "load_format": "dummy",
-                               "dtype": "bfloat16", "cpu_linear_weights": "packed"},
+                               "dtype": "auto", "cpu_linear_weights": "packed"},
                        "token_router": {"algorithm_params": '{"tau": 0.4, "max_llm_run": 1}'}},
 }
 
