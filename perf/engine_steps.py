@@ -38,10 +38,10 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="smollm2-135m-instruct",
                     help="folder under $TOKENROUTER_WEIGHTS, or an absolute path (default smollm2-135m-instruct)")
     ap.add_argument("--dtype", default="auto",
-                    help="float32, bfloat16, float16 or auto (the size-realistic pair's: bfloat16 where the CPU "
-                         "has native bf16, else float32)")
+                    help="float32, bfloat16, float16 or auto (default; the size-realistic pair's: bfloat16 where "
+                         "the CPU has native bf16, else float32)")
     ap.add_argument("--cpu-linear-weights", default="packed",
-                    help="dual, packed (the size-realistic pair's) or rowmajor")
+                    help="dual, packed (default; the size-realistic pair's) or rowmajor")
     ap.add_argument("--load-format", default="auto", help="auto, or dummy for random weights")
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1, as served)")
     ap.add_argument("--batch-sizes", default="1,8,32")

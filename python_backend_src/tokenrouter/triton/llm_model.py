@@ -135,8 +135,9 @@ class TritonPythonModel:
             sched.lockstep = self._ring(group)
         t0 = time.time()
         self.engine = SGLangEngine(self.engine_config)
-        logger.info("model %s loaded in %.1fs (%s on the %s)", self.name, time.time() - t0,
-                    self.engine.dtype, self.engine.device.upper() if self.engine.device == "cuda" else "CPU")
+        # Triton's own log (tritonserver.log): which dtype "auto" chose, and where
+        pb_utils.Logger.log_info(f"model {self.name} loaded in {time.time() - t0:.1f}s ({self.engine.dtype} on the "
+                                 f"{'GPU' if self.engine.device == 'cuda' else 'CPU'})")
         event_log = param(p, "event_log", "")
         self._event_log = _EventLog(event_log.replace("{model}", self.name)) if event_log else None
         self._events_ring = EventRing()  # recent routing events for op "events" (online B*)
