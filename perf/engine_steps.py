@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
     rows = engine.calibrate(bs, context=a.context, decode_steps=a.decode_steps)
     attn = "per-request (SGLang's)" if a.sglang_decode else "batched"
-    print(f"{a.model} ({engine.dtype}, {a.cpu_linear_weights} linear weights, {a.threads} thread(s), context {a.context}, {attn} decode attention)")
+    print(f"{a.model} ({engine.dtype}, {a.cpu_linear_weights} linear weights, {a.threads} thread(s), "
+          f"context {a.context}, {attn} decode attention)")
     print("| rows | decode median ms | resume ms | prefill ms (rows per step) |")
     print("|---|---|---|---|")
     for r in rows:
@@ -88,8 +89,8 @@ def main(argv=None) -> int:
         _profile_decode(engine, max(bs), a.context, a.decode_steps)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": a.model, "dtype": engine.dtype, "cpu_linear_weights": a.cpu_linear_weights, "threads": a.threads, "context": a.context,
-                       "decode_attention": attn, "rows": rows}, f, indent=1)
+            json.dump({"model": a.model, "dtype": engine.dtype, "cpu_linear_weights": a.cpu_linear_weights,
+                       "threads": a.threads, "context": a.context, "decode_attention": attn, "rows": rows}, f, indent=1)
     return 0
 
 

@@ -134,8 +134,8 @@ def cpu_has_native_bf16(cpuinfo_path: str = "/proc/cpuinfo") -> bool:
 
     x86: the ``avx512_bf16`` or ``amx_bf16`` flag; Arm: the ``bf16`` feature. Without them
     torch emulates bf16 matmuls by converting to float32 on the fly: on an AVX2-only
-    host (AMD EPYC Zen 3) a bf16 decode step of SmolLM2-135M took 349 ms against 286 ms
-    in float32 and a bf16 prefill 5× as long (``perf/engine_steps.py``, docs/performance.md
+    host (AMD EPYC Zen 3) an 8-row bf16 decode step of SmolLM2-135M took 349 ms against
+    217 ms in float32 and a bf16 prefill 5.4× as long (``perf/engine_steps.py``, docs/performance.md
     "Engine step times"), so halving the bytes per step gains nothing there.
 
     Returns:
@@ -320,8 +320,6 @@ class SGLangEngine:
             raise FileNotFoundError(f"no config.json in model_path {config.model_path!r}")
         if config.cpu_linear_weights not in ("dual", "packed", "rowmajor"):
             raise ValueError(f"cpu_linear_weights must be dual, packed or rowmajor, not {config.cpu_linear_weights!r}")
-        if config.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, not {config.dtype!r}")
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
         self._load()
