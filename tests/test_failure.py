@@ -65,12 +65,12 @@ class _Seen:
     """Everything of the server that must be gone after it stops: stub pids, shm regions."""
 
     def __init__(self):
-        self.pids, self.regions = set(), set()
+        self.pids, self.regions = set(), {}  # regions: {name: stub instance}
 
     def note(self, server):
-        for pid, region in _stubs(server).values():
+        for instance, (pid, region) in _stubs(server).items():
             self.pids.add(pid)
-            self.regions.add(region)
+            self.regions[region] = instance
 
 
 @pytest.fixture(scope="module")
@@ -191,6 +191,23 @@ def _kv_zero(server, models=("slm", "llm")):
 SLM_ONLY = {"max_tokens": 600, "temperature": 0, "ignore_eos": True, "routing_threshold": 1.0}
 
 
+def test_llm_killed_before_the_router_first_reaches_it(server):
+    """First test of the module: no request has been routed, so the router has never reached the
+    LLM (it connects lazily) and finds only the dead stub's advert; the model must still be
+    marked down, the request told so, and the model reloaded."""
+    t_kill = time.monotonic()
+    pid = _kill(server, "llm_0_0")
+    r = _generate(server, "token_router", {"max_tokens": 4, "temperature": 0, "routing_threshold": 0.0})
+    if r["_status"] != 200:  # (unless the reload was already done: then it must have worked)
+        assert "llm" in r.get("error", "") and ("down" in r["error"] or "not ready" in r["error"]), r
+        assert "not healthy" not in r["error"], r
+        assert str(pid) in r["error"] or "not ready" in r["error"], r
+    back = _wait_llm_back(server, "token_router", t_kill)
+    assert back["routing_summary"]["tokens_by_model"]["llm"] > 0
+    _wait_llm_back(server, "token_router_fallback", t_kill)  # the other router finds the new stub
+    _kv_zero(server)
+
+
 def test_llm_killed_fail_mode(server):
     bystander = _Stream(server, "token_router", SLM_ONLY)
     s = _Stream(server, "token_router", ALL_LLM)
@@ -284,8 +301,14 @@ def test_sigterm_under_load(server):
              and Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"/") and
              b"triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert not alive, f"stub processes left: {alive}"
-    left = [r for r in server.seen.regions if Path("/dev/shm", r).exists()]
-    assert not left, f"/dev/shm regions left: {left}"
+    # a killed stub's region is removed by its reaper, which polls once a second for the server's exit
+    deadline = time.monotonic() + 10
+    while True:
+        left = {r: i for r, i in server.seen.regions.items() if Path("/dev/shm", r).exists()}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not left, f"/dev/shm regions left (region: stub instance): {left}"
     tmp = tempfile.gettempdir()
     adverts = [f for f in os.listdir(tmp) if f.startswith(f"tokenrouter-{pid}-")]
     assert not adverts, adverts

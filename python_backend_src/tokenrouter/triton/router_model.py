@@ -446,8 +446,17 @@ class TritonPythonModel:
         thread of this stub that calls into the Python backend (concurrent calls
         from several threads have corrupted the Triton 2.51 stub's heap).
 
+        A model whose advert is left but whose process is gone died before this
+        router first reached it: it is marked down (``on_down`` starts its
+        recovery, as for a model that dies later) and :class:`PeerDownError` is
+        raised, so the request fails or degrades with the usual reason.
+
         Returns:
             ``{"endpoint": str, "pid": int, "start": int | None}``.
+
+        Raises:
+            PeerDownError: the model's stub died (its advert outlived its process).
+            RuntimeError: the model gave no endpoint (not a tokenrouter LLM model, no answer).
         """
         adv = read_advert(model)
         if adv is not None:
@@ -457,6 +466,11 @@ class TritonPythonModel:
         if not done.wait(120):
             raise RuntimeError(f"model {model}: no answer to the endpoint query")
         if "error" in box:
+            stale = read_advert(model, alive_only=False)
+            if stale is not None and read_advert(model) is None:
+                reason = f"model {model} is down: its process (pid {stale.get('pid')}) exited"
+                self.peers.mark_down(model, reason)
+                raise PeerDownError(model, reason)
             raise RuntimeError(box["error"])
         return box["endpoint"]
 
