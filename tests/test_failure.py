@@ -276,6 +276,31 @@ def test_router_killed(server):
     _kv_zero(server)
 
 
+def test_llm_unloaded_under_a_request(server):
+    """An explicit unload of the LLM while a routed request rides on it: the model drains for
+    ``drain_timeout_s`` and then the request ends with "server is shutting down" naming the
+    unload (not "retry later": an unloaded model is not restarted); a load brings it back."""
+    s = _Stream(server, "token_router", {"max_tokens": 4000, "temperature": 0, "ignore_eos": True,
+                                         "routing_threshold": 0.0})
+    assert s.first.wait(180), s.error
+    r = requests.post(f"http://{server.http_url}/v2/repository/models/llm/unload", timeout=30)
+    assert r.status_code == 200, r.text
+    s.wait(120)
+    assert s.error is not None and "shutting down" in s.error and "llm was unloaded" in s.error, s.error
+    deadline = time.monotonic() + 60  # the error comes as the drain ends; the unload finishes after it
+    while True:
+        idx = requests.post(f"http://{server.http_url}/v2/repository/index", timeout=30).json()
+        state = {m["name"]: m["state"] for m in idx}["llm"]
+        if state != "UNLOADING" or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert state == "UNAVAILABLE", idx  # unloaded, and not restarted by the router
+    r = requests.post(f"http://{server.http_url}/v2/repository/models/llm/load", timeout=600)
+    assert r.status_code == 200, r.text
+    _wait_llm_back(server, "token_router", time.monotonic())
+    _kv_zero(server)
+
+
 def test_sigterm_under_load(server):
     streams = [_Stream(server, "token_router", {"max_tokens": 48, "temperature": 0, "ignore_eos": True,
                                                  "routing_threshold": 0.2}) for _ in range(3)]

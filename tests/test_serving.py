@@ -208,6 +208,29 @@ def test_bad_sampling_parameters_rejected(triton_server, sampling, needle):
     assert needle in r.json()["error"]
 
 
+def test_context_overflow_names_the_default_budget(triton_server):
+    """A prompt that fits but leaves no room for the default max_tokens: the error says the request
+    set none and how many tokens it may ask for (the OpenAI front end passes the message on)."""
+    import re
+
+    import requests
+
+    url = f"http://{triton_server.http_url}/v2/models/token_router/generate"
+    r = requests.post(url, json={"text_input": "hello " * 8150, "sampling_parameters": "{}"}, timeout=120)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    m = re.search(r"prompt \((\d+) tokens\) \+ the default max_tokens \((\d+); the request set none\) "
+                  r"exceeds the context length (\d+): set max_tokens to at most (\d+)", err)
+    assert m, err
+    n_prompt, default, ctx, most = map(int, m.groups())
+    assert n_prompt + default > ctx and most == ctx - n_prompt, err
+    # a budget the request gave is named as its own
+    r = requests.post(url, json={"text_input": "hello", "sampling_parameters": '{"max_tokens": 100000}'},
+                      timeout=60)
+    assert r.status_code == 400 and "+ max_tokens (100000) exceeds" in r.json()["error"], r.text
+
+
+
 def test_bad_inputs_rejected_and_server_keeps_serving(triton_server):
     c = httpclient.InferenceServerClient(triton_server.http_url)
 

@@ -59,6 +59,8 @@ class SamplingParams:
             default ``raw_logprobs``).  vLLM's ``logprobs`` is a count of
             alternatives: only 0 (the sampled token alone) is supported;
             ``true`` is read as 0.
+        max_tokens_given: False where ``max_tokens`` is the caller's default
+            (the request set none), so that errors about it can say so.
     """
 
     max_tokens: int = 16
@@ -77,6 +79,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: Optional[int] = None
+    max_tokens_given: bool = field(default=True, compare=False, repr=False)
 
     def sampler_dict(self) -> Dict[str, Any]:
         """The subset the model subservers need (travels in the PeerReq)."""
@@ -218,6 +221,8 @@ def _parse(d: Dict[str, Any], default_max_tokens: int) -> SamplingParams:
 
     if "max_tokens" in d:
         p.max_tokens = num("max_tokens", int, 1)
+    else:
+        p.max_tokens_given = False
     if "temperature" in d:
         p.temperature = num("temperature", float, 0.0)
     if "top_p" in d:

@@ -397,8 +397,11 @@ class TritonPythonModel:
         if len(ids) >= self.context_length:
             raise ClientError(f"prompt has {len(ids)} tokens; the context length is {self.context_length}")
         if len(ids) + sp.max_tokens > self.context_length:
-            raise ClientError(f"prompt ({len(ids)} tokens) + max_tokens ({sp.max_tokens}) exceeds the "
-                              f"context length {self.context_length}")
+            budget = (f"max_tokens ({sp.max_tokens})" if sp.max_tokens_given else
+                      f"the default max_tokens ({sp.max_tokens}; the request set none)")
+            raise ClientError(f"prompt ({len(ids)} tokens) + {budget} exceeds the context length "
+                              f"{self.context_length}: set max_tokens to at most "
+                              f"{self.context_length - len(ids)}")
         outputs = {out: _bool_input(request, name, dflt) for name, (out, dflt) in OUTPUT_SWITCHES.items()}
         if outputs["logprobs"] and sp.logprobs is None:
             sp.logprobs = 0  # return_logprobs alone: the sampled token's logprob
@@ -805,7 +808,14 @@ class _PeerFailure:
                 f" (on_peer_failure=fail; {self._hint(down)}, retry later)")
 
     def describe(self, err: PeerDownError) -> str:
-        """Client-facing message for a request that failed because a model went down."""
+        """Client-facing message for a request that failed because a model went down.
+
+        A local model without an advert was unloaded on purpose (its finalize withdraws the
+        advert before it drains): at a server stop, once ``drain_timeout_s`` ran out. It is not
+        restarted, so the message says so instead of "retry later"."""
+        if err.model not in self.remote and read_advert(err.model, alive_only=False) is None:
+            return (f"server is shutting down: model {err.model} was unloaded while the request ran "
+                    f"(a server stop, or an explicit unload)")
         return f"{err} (on_peer_failure={self.mode}; {self._hint([err.model])}, retry later)"
 
     # ------------------------------------------------------------ recovery
