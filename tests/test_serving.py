@@ -6,6 +6,7 @@ import concurrent.futures as cf
 import json
 import os
 import queue
+import re
 import time
 
 import numpy as np
@@ -211,8 +212,6 @@ def test_bad_sampling_parameters_rejected(triton_server, sampling, needle):
 def test_context_overflow_names_the_default_budget(triton_server):
     """A prompt that fits but leaves no room for the default max_tokens: the error says the request
     set none and how many tokens it may ask for (the OpenAI front end passes the message on)."""
-    import re
-
     import requests
 
     url = f"http://{triton_server.http_url}/v2/models/token_router/generate"
@@ -228,7 +227,6 @@ def test_context_overflow_names_the_default_budget(triton_server):
     r = requests.post(url, json={"text_input": "hello", "sampling_parameters": '{"max_tokens": 100000}'},
                       timeout=60)
     assert r.status_code == 400 and "+ max_tokens (100000) exceeds" in r.json()["error"], r.text
-
 
 
 def test_bad_inputs_rejected_and_server_keeps_serving(triton_server):

@@ -813,10 +813,16 @@ class _PeerFailure:
         A local model without an advert was unloaded on purpose (its finalize withdraws the
         advert before it drains): at a server stop, once ``drain_timeout_s`` ran out. It is not
         restarted, so the message says so instead of "retry later"."""
-        if err.model not in self.remote and read_advert(err.model, alive_only=False) is None:
+        if err.model not in self.remote and self._unloaded_on_purpose(err.model):
             return (f"server is shutting down: model {err.model} was unloaded while the request ran "
                     f"(a server stop, or an explicit unload)")
         return f"{err} (on_peer_failure={self.mode}; {self._hint([err.model])}, retry later)"
+
+    @staticmethod
+    def _unloaded_on_purpose(model: str) -> bool:
+        """True when local ``model`` has no advert, not even a stale one: its finalize withdrew it
+        (a server stop or an explicit unload), where a dead stub leaves its advert behind."""
+        return read_advert(model, alive_only=False) is None
 
     # ------------------------------------------------------------ recovery
     def _recover_loop(self) -> None:
@@ -873,8 +879,8 @@ class _PeerFailure:
         """
         import fcntl
 
-        if read_advert(model, alive_only=False) is None:
-            return  # no advert: the model was unloaded on purpose (its finalize removed it), not restarted
+        if self._unloaded_on_purpose(model):
+            return  # not restarted
         if self._explicit is not False:
             try:
                 with open(advert_path(model) + ".lock", "a") as lock:
