@@ -104,6 +104,12 @@ ROOT = os.path.dirname(HERE)
 for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"), ROOT, HERE):
     if p not in sys.path:
         sys.path.insert(0, p)
+try:  # the scripts of perf/ that start a server all import this module
+    import google.protobuf  # noqa: F401  (the model configs)
+    import tritonclient  # noqa: F401
+except ImportError as exc:
+    sys.exit(f"{os.path.basename(sys.argv[0])}: {exc}. The benchmarks run in the project's "
+             "environment: `source deploy/env.sh` first (it creates the environment on first use).")
 
 from loadgen import SteadyLoad, load_tokenizer, run_load, spread, summarize, window_summary  # noqa: E402
 from tokenrouter.tools import admin  # noqa: E402
