@@ -184,6 +184,7 @@ BAD_SAMPLING = [
     ("not json", "not valid JSON"),
     ('["a"]', "JSON object"),
     ('{"max_tokenz": 4}', "unknown keys"),
+    ('{"max_tokens": 3, "max_tokens_given": "banana"}', "unknown keys"),  # the parser's own field
     ('{"max_tokens": 0}', "max_tokens"),
     ('{"max_tokens": -3}', "max_tokens"),
     ('{"max_tokens": 100000}', "context length"),

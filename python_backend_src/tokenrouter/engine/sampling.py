@@ -99,7 +99,8 @@ class SamplingParams:
         return d
 
 
-_KEYS = set(SamplingParams.__dataclass_fields__)
+#: keys a client may set (``max_tokens_given`` is the parser's own note, not an input)
+_KEYS = set(SamplingParams.__dataclass_fields__) - {"max_tokens_given"}
 #: keys of the sampler dict a model accepts in a PeerReq (see SamplingParams.sampler_dict)
 SAMPLER_KEYS = frozenset({"temperature", "top_p", "top_k", "seed", "repetition_penalty", "presence_penalty",
                           "frequency_penalty", "min_tokens", "logprobs"})
