@@ -110,6 +110,45 @@ def test_handoffs_summary_and_extend_only_new_tokens(triton_server):
     assert after["slm"]["kv_tokens_in_use"] == 0 and after["llm"]["kv_tokens_in_use"] == 0
 
 
+def test_chunked_prefill_lets_a_short_request_pass_a_long_prompt(triton_server):
+    """A long prompt prefills in chunks (``prefill_chunk_tokens``, default 512), one per step: a
+    short request sent while it prefills finishes first (unchunked, the long one's single prefill
+    step would end before the short one could run, and with one output token it would finish
+    first), and the long request's greedy token is the one an unchunked prefill gives."""
+    from tokenrouter.tools import admin
+
+    long_prompt = "Tell me about the history of the printing press, year by year. " * 200  # ~2,600 tokens
+    sp = {"max_tokens": 1, "temperature": 0}
+    before = model_stats(triton_server, "slm")
+    order = []
+
+    def run(prompt, tag):
+        out = generate(triton_server, prompt, sp)
+        order.append(tag)
+        return out
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        f_long = ex.submit(run, long_prompt, "long")
+        time.sleep(0.5)  # the long prompt's first step has begun
+        f_short = ex.submit(run, "Hi", "short")
+        long_out, short_out = f_long.result(), f_short.result()
+    after = wait_kv_released(triton_server)
+    assert long_out["_status"] == 200 and short_out["_status"] == 200, (long_out, short_out)
+    n_in = long_out["num_input_tokens"]
+    assert n_in > 4 * 512 and long_out["num_output_tokens"] == 1
+    chunks = after["slm"]["prefill_chunks"] - before["prefill_chunks"]
+    assert chunks == -(-n_in // 512) - 1, (chunks, n_in)  # every step but the last held tokens back
+    assert order == ["short", "long"], order
+    try:
+        admin.configure(triton_server.grpc_url, "slm", prefill_chunk_tokens=0)
+        whole = generate(triton_server, long_prompt, sp)
+    finally:
+        admin.configure(triton_server.grpc_url, "slm", prefill_chunk_tokens=512)
+    assert whole["_status"] == 200 and model_stats(triton_server, "slm")["prefill_chunks"] == after["slm"]["prefill_chunks"]
+    assert whole["routing_trace"]["token_ids"] == long_out["routing_trace"]["token_ids"]
+    assert after["slm"]["kv_tokens_in_use"] == 0 and after["llm"]["kv_tokens_in_use"] == 0
+
+
 def test_eight_concurrent_streams_match_non_streamed(triton_server):
     prompts = [f"Write a short note number {i} about {topic}:" for i, topic in
                enumerate(["rivers", "mountains", "cities", "stars", "bread", "music", "trains", "bees"])]

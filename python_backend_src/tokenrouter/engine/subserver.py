@@ -26,6 +26,7 @@ import logging
 import queue
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional
 
@@ -61,6 +62,11 @@ class SubserverConfig:
             re-prefilled (no pending state).
         lockstep: lock-step baseline — a :class:`~tokenrouter.engine.lockstep.TurnRing`
             this model steps in turn with its peers, or None (own pace).
+        prefill_chunk_tokens: chunked prefill (SGLang's ``chunked_prefill_size``): a request
+            with more new tokens than this (a long prompt, or a long re-prefill) runs them in
+            chunks of at most this many, one per step, beside the other requests' decode
+            rows, so that one long prompt does not stop every other request for the whole
+            of its prefill.  Only its last chunk yields a token.  0: no chunking.
     """
 
     delayed_batch_size: int = 1
@@ -69,6 +75,7 @@ class SubserverConfig:
     max_batch: int = 64
     readmit_on_resume: bool = False
     lockstep: Optional[Any] = None
+    prefill_chunk_tokens: int = 512
 
 
 @dataclass
@@ -228,7 +235,7 @@ class Subserver(OutputProcessorMixin):
                 "waiting": len(self.waiting),
                 **{k: self.counters[k] for k in ("steps", "decode_tokens", "extend_tokens", "extend_runs",
                                                   "handoffs_out", "finished", "cancelled", "errors",
-                                                  "requests_in")},
+                                                  "requests_in", "prefill_chunks")},
                 "step_time_s": self.counters["step_time_us"] / 1e6,
                 "forward_s": self.counters["forward_us"] / 1e6,
                 "route_s": self.counters["route_us"] / 1e6,
@@ -239,6 +246,7 @@ class Subserver(OutputProcessorMixin):
                 "resume_step_forward_s": self.counters["resume_step_forward_us"] / 1e6,
                 "delayed_batch_size": self.config.delayed_batch_size,
                 "delayed_batch_max_wait_us": int(round(self.config.max_wait_s * 1e6)),
+                "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
             }
         return self.call(snap)
 
@@ -257,8 +265,9 @@ class Subserver(OutputProcessorMixin):
         if unknown:
             raise ValueError(f"unknown scheduling settings: {sorted(unknown)}")
         if changes.get("delayed_batch_size", 1) < 1 or changes.get("max_wait_s", 0) < 0 \
-                or changes.get("stream_interval", 1) < 1:
-            raise ValueError("delayed_batch_size and stream_interval must be >= 1, max_wait_s >= 0")
+                or changes.get("stream_interval", 1) < 1 or changes.get("prefill_chunk_tokens", 0) < 0:
+            raise ValueError("delayed_batch_size and stream_interval must be >= 1, max_wait_s and "
+                             "prefill_chunk_tokens >= 0")
         self.call(lambda: [setattr(self.config, k, v) for k, v in changes.items()])
 
     def stop(self) -> None:
@@ -484,18 +493,27 @@ class Subserver(OutputProcessorMixin):
         t0 = time.perf_counter()
         t_mono = time.monotonic()
         for lr in batch:
-            if not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0:
+            if (not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0
+                    and lr.first_step_t is None and lr.seq.kv_len == 0):
                 lr.first_step_t = t_mono
+        held = self._hold_back_beyond_chunk(batch)
         try:
             out = self.engine.forward(seqs)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
             logger.exception("forward failed on %s", self.name)
+            self._restore_held(held)
             for lr in batch:
                 self.counters["errors"] += 1
                 self._end_segment(lr, "error", {"message": f"forward failed on model {self.name}: {e}"})
                 self._release(lr.rid, "error", str(e))
             return
         t_fwd = time.perf_counter()
+        if held:
+            self._restore_held(held)
+            batch, out = self._without_partial_rows(batch, out, held)
+            if not batch:  # only partial prefills ran: nothing to sample
+                self._count_partial_step(out, t0, t_fwd, len(held))
+                return
         try:
             self.process_batch_result(batch, out, t0, t_fwd, has_prefill)
         except Exception as e:  # noqa: BLE001 - fail this batch's requests, keep serving the rest
@@ -504,3 +522,55 @@ class Subserver(OutputProcessorMixin):
                 if lr.rid in self.requests:
                     self.counters["errors"] += 1
                     self._release(lr.rid, "error", f"step failed on model {self.name}: {e}")
+
+    # ------------------------------------------------------------- chunked prefill
+    def _hold_back_beyond_chunk(self, batch: List[LocalRequest]) -> Dict[str, List[int]]:
+        """Cut each request's new tokens beyond ``prefill_chunk_tokens`` off its sequence for this step.
+
+        Returns ``{rid: held-back token ids}`` (empty without chunking or long requests);
+        :meth:`_restore_held` puts them back after the forward step.
+        """
+        chunk = self.config.prefill_chunk_tokens
+        held: Dict[str, List[int]] = {}
+        if chunk <= 0:
+            return held
+        for lr in batch:
+            extra = lr.seq.pending_tokens - chunk
+            if extra > 0:
+                held[lr.rid] = lr.seq.tokens[-extra:]
+                del lr.seq.tokens[-extra:]
+                self.counters["prefill_chunks"] += 1
+        return held
+
+    def _count_partial_step(self, out, t0: float, t_fwd: float, rows: int) -> None:
+        """Counters and step event of a step that ran only partial prefills (no token sampled)."""
+        self.counters["steps"] += 1
+        self.counters["extend_tokens"] += out.extend_tokens
+        self.counters["extend_runs"] += rows
+        self.counters["step_time_us"] += int((time.perf_counter() - t0) * 1e6)
+        self.counters["forward_us"] += int((t_fwd - t0) * 1e6)
+        if self.event_sink is not None:
+            self.event_sink({"event": "step", "model": self.name, "batch_size": rows,
+                             "latency_s": round(out.latency_s, 6), "tokens_committed": 0,
+                             "extend_tokens": out.extend_tokens, "t": time.time()})
+
+    def _restore_held(self, held: Dict[str, List[int]]) -> None:
+        for rid, toks in held.items():
+            lr = self.requests.get(rid)
+            if lr is not None:
+                lr.seq.tokens.extend(toks)
+
+    @staticmethod
+    def _without_partial_rows(batch: List[LocalRequest], out, held: Dict[str, List[int]]):
+        """The step's requests and engine output without the rows of partial prefills.
+
+        A partial prefill's logits follow a chunk of its prompt, not its last token, so they
+        are dropped; the request stays ready and runs its next chunk in the next step.
+        """
+        keep = [i for i, lr in enumerate(batch) if lr.rid not in held]
+        idx = torch.tensor(keep, dtype=torch.long)
+        out = dataclasses.replace(
+            out, seqs=[out.seqs[i] for i in keep], logits=out.logits.index_select(0, idx),
+            hidden=None if out.hidden is None else out.hidden.index_select(0, idx),
+            num_extend=out.num_extend - len(held))
+        return [batch[i] for i in keep], out

@@ -256,13 +256,14 @@ class TritonPythonModel:
     def _configure(self, cfg: Dict[str, Any]) -> None:
         """Apply a ``configure`` op: the same keys as the config parameters
         ``delayed_batch_size``, ``delayed_batch_max_wait_us``, ``stream_interval``,
-        ``readmit_on_resume``, ``lockstep_group`` ("" turns lock-step off)."""
+        ``readmit_on_resume``, ``prefill_chunk_tokens``, ``lockstep_group`` ("" turns lock-step off)."""
         if not isinstance(cfg, dict):
             raise ValueError("configure expects a JSON object")
         conv = {"delayed_batch_size": ("delayed_batch_size", int),
                 "delayed_batch_max_wait_us": ("max_wait_s", lambda v: float(v) / 1e6),
                 "stream_interval": ("stream_interval", int),
-                "readmit_on_resume": ("readmit_on_resume", bool)}
+                "readmit_on_resume": ("readmit_on_resume", bool),
+                "prefill_chunk_tokens": ("prefill_chunk_tokens", int)}
         changes = {}
         for k, v in cfg.items():
             if k in conv:
