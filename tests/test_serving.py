@@ -139,6 +139,9 @@ def test_chunked_prefill_lets_a_short_request_pass_a_long_prompt(triton_server):
     chunks = after["slm"]["prefill_chunks"] - before["prefill_chunks"]
     assert chunks == -(-n_in // 512) - 1, (chunks, n_in)  # every step but the last held tokens back
     assert order == ["short", "long"], order
+    for bad in (1.7, True, -1, "abc"):
+        with pytest.raises(Exception, match="prefill_chunk_tokens must be an integer >= 0"):
+            admin.configure(triton_server.grpc_url, "slm", prefill_chunk_tokens=bad)
     try:
         admin.configure(triton_server.grpc_url, "slm", prefill_chunk_tokens=0)
         whole = generate(triton_server, long_prompt, sp)

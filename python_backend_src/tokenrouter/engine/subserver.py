@@ -62,11 +62,12 @@ class SubserverConfig:
             re-prefilled (no pending state).
         lockstep: lock-step baseline — a :class:`~tokenrouter.engine.lockstep.TurnRing`
             this model steps in turn with its peers, or None (own pace).
-        prefill_chunk_tokens: chunked prefill (SGLang's ``chunked_prefill_size``): a request
-            with more new tokens than this (a long prompt, or a long re-prefill) runs them in
-            chunks of at most this many, one per step, beside the other requests' decode
-            rows, so that one long prompt does not stop every other request for the whole
-            of its prefill.  Only its last chunk yields a token.  0: no chunking.
+        prefill_chunk_tokens: chunked prefill: a request with more new tokens than this (a
+            long prompt, or a long re-prefill) runs them in chunks of at most this many, one
+            per step, beside the other requests' decode rows, so that one long prompt does not
+            stop every other request for the whole of its prefill.  Only its last chunk yields
+            a token.  The bound is per request (SGLang's ``chunked_prefill_size`` is one budget
+            per step): k long prompts in one step run up to k chunks.  0: no chunking.
     """
 
     delayed_batch_size: int = 1

@@ -113,6 +113,9 @@ def llm_settings(params: Dict[str, str]):
         max_wait_s=param(params, "delayed_batch_max_wait_us", 5000, int) / 1e6,
         stream_interval=max(1, param(params, "stream_interval", 1, int)),
         readmit_on_resume=param(params, "readmit_on_resume", False, bool),
-        prefill_chunk_tokens=max(0, param(params, "prefill_chunk_tokens", 512, int)),
+        prefill_chunk_tokens=param(params, "prefill_chunk_tokens", 512, int),
     )
+    if sched["prefill_chunk_tokens"] < 0:
+        raise ValueError(f"config parameter 'prefill_chunk_tokens': must be >= 0 (0: no chunking), "
+                         f"got {sched['prefill_chunk_tokens']}")
     return engine, sched

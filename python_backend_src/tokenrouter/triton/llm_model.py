@@ -98,6 +98,16 @@ def _str_input(request, name: str, default: str = "") -> str:
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
 
 
+def _count(key: str, v: Any, lo: int) -> int:
+    """A ``configure`` value that must be a whole number >= ``lo`` (an integer, or its digits in a
+    string); ValueError naming ``key`` otherwise (booleans, fractions, NaN, lists)."""
+    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
+        v = int(v.strip())
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"configure: {key} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
 class _EventLog:
     """Append-only JSON Lines writer for routing events (thread-safe)."""
 
@@ -259,11 +269,11 @@ class TritonPythonModel:
         ``readmit_on_resume``, ``prefill_chunk_tokens``, ``lockstep_group`` ("" turns lock-step off)."""
         if not isinstance(cfg, dict):
             raise ValueError("configure expects a JSON object")
-        conv = {"delayed_batch_size": ("delayed_batch_size", int),
+        conv = {"delayed_batch_size": ("delayed_batch_size", lambda v: _count(k, v, 1)),
                 "delayed_batch_max_wait_us": ("max_wait_s", lambda v: float(v) / 1e6),
-                "stream_interval": ("stream_interval", int),
+                "stream_interval": ("stream_interval", lambda v: _count(k, v, 1)),
                 "readmit_on_resume": ("readmit_on_resume", bool),
-                "prefill_chunk_tokens": ("prefill_chunk_tokens", int)}
+                "prefill_chunk_tokens": ("prefill_chunk_tokens", lambda v: _count(k, v, 0))}
         changes = {}
         for k, v in cfg.items():
             if k in conv:
