@@ -22,11 +22,11 @@ committed tokens) or one of the final kinds ``"handoff"``, ``"finished"``,
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional
 
@@ -494,8 +494,7 @@ class Subserver(OutputProcessorMixin):
         t0 = time.perf_counter()
         t_mono = time.monotonic()
         for lr in batch:
-            if (not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0
-                    and lr.first_step_t is None and lr.seq.kv_len == 0):
+            if not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0 and lr.seq.kv_len == 0:
                 lr.first_step_t = t_mono
         held = self._hold_back_beyond_chunk(batch)
         try:
@@ -525,20 +524,20 @@ class Subserver(OutputProcessorMixin):
                     self._release(lr.rid, "error", f"step failed on model {self.name}: {e}")
 
     # ------------------------------------------------------------- chunked prefill
-    def _hold_back_beyond_chunk(self, batch: List[LocalRequest]) -> Dict[str, List[int]]:
+    def _hold_back_beyond_chunk(self, batch: List[LocalRequest]) -> Dict[str, tuple]:
         """Cut each request's new tokens beyond ``prefill_chunk_tokens`` off its sequence for this step.
 
-        Returns ``{rid: held-back token ids}`` (empty without chunking or long requests);
-        :meth:`_restore_held` puts them back after the forward step.
+        Returns ``{rid: (sequence, held-back token ids)}`` (empty without chunking or long
+        requests); :meth:`_restore_held` puts them back after the forward step.
         """
         chunk = self.config.prefill_chunk_tokens
-        held: Dict[str, List[int]] = {}
+        held: Dict[str, tuple] = {}
         if chunk <= 0:
             return held
         for lr in batch:
             extra = lr.seq.pending_tokens - chunk
             if extra > 0:
-                held[lr.rid] = lr.seq.tokens[-extra:]
+                held[lr.rid] = (lr.seq, lr.seq.tokens[-extra:])
                 del lr.seq.tokens[-extra:]
                 self.counters["prefill_chunks"] += 1
         return held
@@ -555,14 +554,13 @@ class Subserver(OutputProcessorMixin):
                              "latency_s": round(out.latency_s, 6), "tokens_committed": 0,
                              "extend_tokens": out.extend_tokens, "t": time.time()})
 
-    def _restore_held(self, held: Dict[str, List[int]]) -> None:
-        for rid, toks in held.items():
-            lr = self.requests.get(rid)
-            if lr is not None:
-                lr.seq.tokens.extend(toks)
+    @staticmethod
+    def _restore_held(held: Dict[str, tuple]) -> None:
+        for seq, toks in held.values():
+            seq.tokens.extend(toks)
 
     @staticmethod
-    def _without_partial_rows(batch: List[LocalRequest], out, held: Dict[str, List[int]]):
+    def _without_partial_rows(batch: List[LocalRequest], out, held: Dict[str, tuple]):
         """The step's requests and engine output without the rows of partial prefills.
 
         A partial prefill's logits follow a chunk of its prompt, not its last token, so they

@@ -269,16 +269,16 @@ class TritonPythonModel:
         ``readmit_on_resume``, ``prefill_chunk_tokens``, ``lockstep_group`` ("" turns lock-step off)."""
         if not isinstance(cfg, dict):
             raise ValueError("configure expects a JSON object")
-        conv = {"delayed_batch_size": ("delayed_batch_size", lambda v: _count(k, v, 1)),
-                "delayed_batch_max_wait_us": ("max_wait_s", lambda v: float(v) / 1e6),
-                "stream_interval": ("stream_interval", lambda v: _count(k, v, 1)),
-                "readmit_on_resume": ("readmit_on_resume", bool),
-                "prefill_chunk_tokens": ("prefill_chunk_tokens", lambda v: _count(k, v, 0))}
+        conv = {"delayed_batch_size": ("delayed_batch_size", lambda k, v: _count(k, v, 1)),
+                "delayed_batch_max_wait_us": ("max_wait_s", lambda k, v: float(v) / 1e6),
+                "stream_interval": ("stream_interval", lambda k, v: _count(k, v, 1)),
+                "readmit_on_resume": ("readmit_on_resume", lambda k, v: bool(v)),
+                "prefill_chunk_tokens": ("prefill_chunk_tokens", lambda k, v: _count(k, v, 0))}
         changes = {}
         for k, v in cfg.items():
             if k in conv:
                 name, f = conv[k]
-                changes[name] = f(v)
+                changes[name] = f(k, v)
             elif k == "lockstep_group":
                 changes["lockstep"] = self._ring(str(v)) if v else None
             else:
