@@ -3,13 +3,15 @@
 
 Against a running server (``deploy/serve``): for each ``--chunks`` value the models'
 ``prefill_chunk_tokens`` is set through their ``configure`` op, one long prompt
-(``--long-tokens`` tokens, about) is sent, and ``--delay`` seconds later a short one
-("Hi", the same ``--max-tokens``).  Prints each request's end-to-end latency in seconds.
+(``--long-tokens`` tokens, about; ``--long-requests`` of them at once, each a different text) is
+sent, and ``--delay`` seconds later a short one ("Hi", the same ``--max-tokens``).  Prints each
+request's end-to-end latency in seconds.
 The models' setting is put back to the first value of ``--restore`` at the end.
 
     source deploy/env.sh && deploy/serve --background
     python perf/long_prompt.py                        # chunks 0 (off) and 512, a ~7,500-token prompt
     python perf/long_prompt.py --chunks 0,256,512,2048 --long-tokens 3000
+    python perf/long_prompt.py --long-requests 2 --long-tokens 3000   # two long prompts at once
 """
 
 from __future__ import annotations
@@ -48,11 +50,15 @@ def main() -> None:
     ap.add_argument("--chunks", default="0,512", help="prefill_chunk_tokens values to compare (0: off)")
     ap.add_argument("--restore", type=int, default=512, help="prefill_chunk_tokens to leave set at the end")
     ap.add_argument("--long-tokens", type=int, default=7500)
+    ap.add_argument("--long-requests", type=int, default=1, help="long prompts sent at once")
     ap.add_argument("--delay", type=float, default=3.0, help="seconds between the long and the short request")
     ap.add_argument("--max-tokens", type=int, default=4)
     a = ap.parse_args()
     models = [m for m in a.models.split(",") if m]
-    long_text = SENTENCE * max(1, a.long_tokens // 14)
+    if a.long_requests < 1:
+        sys.exit("--long-requests must be >= 1")
+    # a different first sentence for each long prompt: no request is another's copy
+    long_texts = [f"Prompt {i}. " + SENTENCE * max(1, a.long_tokens // 14) for i in range(a.long_requests)]
     print("| prefill_chunk_tokens | long prompt tokens | long e2e s | short e2e s (sent after "
           f"{a.delay:g} s) |\n|---|---|---|---|")
     try:
@@ -60,16 +66,21 @@ def main() -> None:
             for m in models:
                 admin.configure(a.grpc, m, prefill_chunk_tokens=chunk)
             out: dict = {}
-            long = threading.Thread(target=_generate, args=(a.http, long_text, a.max_tokens, out, "long"))
-            long.start()
+            longs = [threading.Thread(target=_generate, args=(a.http, text, a.max_tokens, out, f"long{i}"))
+                     for i, text in enumerate(long_texts)]
+            for t in longs:
+                t.start()
             time.sleep(a.delay)
             _generate(a.http, "Hi", a.max_tokens, out, "short")
-            long.join()
+            for t in longs:
+                t.join()
             for r in out.values():
                 if r["status"] != 200:
                     sys.exit(f"a request failed: {r}")
-            print(f"| {chunk} | {out['long']['input_tokens']} | {out['long']['e2e_s']:.1f} | "
-                  f"{out['short']['e2e_s']:.1f} |", flush=True)
+            tags = [f"long{i}" for i in range(a.long_requests)]
+            n_in = ", ".join(str(out[t]["input_tokens"]) for t in tags)
+            e2e = ", ".join(f"{out[t]['e2e_s']:.1f}" for t in tags)
+            print(f"| {chunk} | {n_in} | {e2e} | {out['short']['e2e_s']:.1f} |", flush=True)
     finally:
         for m in models:
             admin.configure(a.grpc, m, prefill_chunk_tokens=a.restore)

@@ -62,12 +62,17 @@ class SubserverConfig:
             re-prefilled (no pending state).
         lockstep: lock-step baseline — a :class:`~tokenrouter.engine.lockstep.TurnRing`
             this model steps in turn with its peers, or None (own pace).
-        prefill_chunk_tokens: chunked prefill: a request with more new tokens than this (a
-            long prompt, or a long re-prefill) runs them in chunks of at most this many, one
-            per step, beside the other requests' decode rows, so that one long prompt does not
-            stop every other request for the whole of its prefill.  Only its last chunk yields
-            a token.  The bound is per request (SGLang's ``chunked_prefill_size`` is one budget
-            per step): k long prompts in one step run up to k chunks.  0: no chunking.
+        prefill_chunk_tokens: chunked prefill: the most new tokens of prefills and extends
+            in one step (SGLang's ``chunked_prefill_size``; decode rows are not counted), so that
+            a long prompt, or a long re-prefill, does not stop every other request for the whole
+            of its prefill.  Extends take the budget shortest first, so a resume's few tokens
+            never wait behind a long prompt; a request whose new tokens do not fit runs the part
+            that does (a chunk) and the rest in later steps, one that gets none waits a step.
+            Only a request's last chunk yields a token.  0: no chunking.
+
+    Raises:
+        ValueError: a setting out of range (``delayed_batch_size`` or ``stream_interval`` < 1,
+            ``max_wait_s`` or ``prefill_chunk_tokens`` < 0, ``max_batch`` < 1).
     """
 
     delayed_batch_size: int = 1
@@ -77,6 +82,12 @@ class SubserverConfig:
     readmit_on_resume: bool = False
     lockstep: Optional[Any] = None
     prefill_chunk_tokens: int = 512
+
+    def __post_init__(self) -> None:
+        for name, lo in (("delayed_batch_size", 1), ("stream_interval", 1), ("max_batch", 1),
+                         ("max_wait_s", 0), ("prefill_chunk_tokens", 0)):
+            if getattr(self, name) < lo:
+                raise ValueError(f"{name} must be >= {lo}, got {getattr(self, name)!r}")
 
 
 @dataclass
@@ -254,21 +265,17 @@ class Subserver(OutputProcessorMixin):
     def reconfigure(self, **changes: Any) -> None:
         """Change scheduling settings at run time, on the loop thread (between steps).
 
-        Keys: ``delayed_batch_size`` (B_i >= 1), ``max_wait_s`` (>= 0),
-        ``stream_interval`` (>= 1), ``readmit_on_resume`` (bool), ``lockstep``
-        (a TurnRing or None).  Used for online adaptation of B* and to switch
-        baselines without restarting the server.
+        Keys: the fields of :class:`SubserverConfig` (``delayed_batch_size``, ``max_wait_s``,
+        ``stream_interval``, ``readmit_on_resume``, ``lockstep``, ``prefill_chunk_tokens``, ...).
+        Used for online adaptation of B* and to switch baselines without restarting the server.
 
         Raises:
-            ValueError: unknown key or invalid value.
+            ValueError: unknown key or a value out of range (checked as SubserverConfig checks it).
         """
         unknown = set(changes) - set(SubserverConfig.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown scheduling settings: {sorted(unknown)}")
-        if changes.get("delayed_batch_size", 1) < 1 or changes.get("max_wait_s", 0) < 0 \
-                or changes.get("stream_interval", 1) < 1 or changes.get("prefill_chunk_tokens", 0) < 0:
-            raise ValueError("delayed_batch_size and stream_interval must be >= 1, max_wait_s and "
-                             "prefill_chunk_tokens >= 0")
+        dataclasses.replace(self.config, **changes)  # validates the changed settings
         self.call(lambda: [setattr(self.config, k, v) for k, v in changes.items()])
 
     def stop(self) -> None:
@@ -489,14 +496,14 @@ class Subserver(OutputProcessorMixin):
     @torch.no_grad()
     def _step(self) -> None:
         batch = list(self.ready.values())[: self.config.max_batch]
+        t0 = time.perf_counter()
+        batch, held = self._plan_prefill_chunks(batch)
         seqs = [lr.seq for lr in batch]
         has_prefill = any(not lr.prefilled for lr in batch)
-        t0 = time.perf_counter()
         t_mono = time.monotonic()
         for lr in batch:
             if not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0 and lr.seq.kv_len == 0:
                 lr.first_step_t = t_mono
-        held = self._hold_back_beyond_chunk(batch)
         try:
             out = self.engine.forward(seqs)
         except Exception as e:  # noqa: BLE001 - fail these requests, keep serving
@@ -524,23 +531,38 @@ class Subserver(OutputProcessorMixin):
                     self._release(lr.rid, "error", f"step failed on model {self.name}: {e}")
 
     # ------------------------------------------------------------- chunked prefill
-    def _hold_back_beyond_chunk(self, batch: List[LocalRequest]) -> Dict[str, tuple]:
-        """Cut each request's new tokens beyond ``prefill_chunk_tokens`` off its sequence for this step.
+    def _plan_prefill_chunks(self, batch: List[LocalRequest]):
+        """Share this step's budget of ``prefill_chunk_tokens`` new tokens among its extends.
 
-        Returns ``{rid: (sequence, held-back token ids)}`` (empty without chunking or long
-        requests); :meth:`_restore_held` puts them back after the forward step.
+        Decode rows (one new token) always run.  Extends (prompts, resumes, re-prefills) take
+        the budget shortest first; the tokens of a request beyond its share are cut off its
+        sequence for this step (a chunk runs), and a request with no share left sits this step
+        out (it stays ready).  The first extend always gets a share, so every step runs.
+
+        Returns:
+            ``(rows to run, held)``: ``held`` maps rid to ``(sequence, held-back token ids)``;
+            :meth:`_restore_held` puts the tokens back after the forward step.  Without
+            chunking, or when every extend fits, ``(batch, {})``.
         """
-        chunk = self.config.prefill_chunk_tokens
+        budget = self.config.prefill_chunk_tokens
         held: Dict[str, tuple] = {}
-        if chunk <= 0:
-            return held
-        for lr in batch:
-            extra = lr.seq.pending_tokens - chunk
-            if extra > 0:
-                held[lr.rid] = (lr.seq, lr.seq.tokens[-extra:])
-                del lr.seq.tokens[-extra:]
+        if budget <= 0:
+            return batch, held
+        extends = sorted((lr for lr in batch if lr.seq.pending_tokens > 1), key=lambda lr: lr.seq.pending_tokens)
+        if sum(lr.seq.pending_tokens for lr in extends) <= budget:
+            return batch, held
+        waiting = set()
+        for lr in extends:
+            n = lr.seq.pending_tokens
+            if budget <= 0:
+                waiting.add(lr.rid)
+                continue
+            if n > budget:
+                held[lr.rid] = (lr.seq, lr.seq.tokens[budget - n:])
+                del lr.seq.tokens[budget - n:]
                 self.counters["prefill_chunks"] += 1
-        return held
+            budget -= min(n, budget)
+        return [lr for lr in batch if lr.rid not in waiting], held
 
     def _count_partial_step(self, out, t0: float, t_fwd: float, rows: int) -> None:
         """Counters and step event of a step that ran only partial prefills (no token sampled)."""
