@@ -220,7 +220,7 @@ def wait_bound_us(model_stats: Dict[str, Dict[str, float]], factor: float, model
 
 
 STAT_KEYS = ("steps", "decode_tokens", "extend_tokens", "extend_runs", "handoffs_out", "step_time_s", "forward_s",
-             "route_s", "send_s")
+             "route_s", "send_s", "prefill_chunks")
 
 
 def _stats_delta(before: Dict[str, Dict], after: Dict[str, Dict]) -> Dict[str, Dict[str, float]]:

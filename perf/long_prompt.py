@@ -11,7 +11,7 @@ The models' setting is put back to the first value of ``--restore`` at the end.
     source deploy/env.sh && deploy/serve --background
     python perf/long_prompt.py                        # chunks 0 (off) and 512, a ~7,500-token prompt
     python perf/long_prompt.py --chunks 0,256,512,2048 --long-tokens 3000
-    python perf/long_prompt.py --long-requests 2 --long-tokens 3000   # two long prompts at once
+    python perf/long_prompt.py --long-requests 2 --long-tokens 3000 --chunks 0,512,0,512   # two at once
 """
 
 from __future__ import annotations
@@ -53,6 +53,8 @@ def main() -> None:
     ap.add_argument("--long-requests", type=int, default=1, help="long prompts sent at once")
     ap.add_argument("--delay", type=float, default=3.0, help="seconds between the long and the short request")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the untimed long request sent first (a fresh server's first long prefill is slower)")
     a = ap.parse_args()
     models = [m for m in a.models.split(",") if m]
     if a.long_requests < 1:
@@ -62,6 +64,9 @@ def main() -> None:
     print("| prefill_chunk_tokens | long prompt tokens | long e2e s | short e2e s (sent after "
           f"{a.delay:g} s) |\n|---|---|---|---|")
     try:
+        if not a.no_warmup:
+            warm: dict = {}
+            _generate(a.http, long_texts[0], a.max_tokens, warm, "warmup")
         for chunk in (int(c) for c in a.chunks.split(",")):
             for m in models:
                 admin.configure(a.grpc, m, prefill_chunk_tokens=chunk)
