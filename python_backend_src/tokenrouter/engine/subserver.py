@@ -230,7 +230,9 @@ class Subserver(OutputProcessorMixin):
         in seconds: step_time_s = forward_s (model forward incl. batch
         preparation) + route_s (sampling, entropy, route/send decisions) +
         send_s (streaming responses to the router); the delayed-batching settings
-        delayed_batch_size (B_i) and delayed_batch_max_wait_us.
+        delayed_batch_size (B_i) and delayed_batch_max_wait_us; prefill_chunks (partial
+        prefills run: one per request and step whose new tokens did not all fit the step's
+        ``prefill_chunk_tokens`` budget) and that setting.
         """
         def snap():
             active = len(self.requests)
