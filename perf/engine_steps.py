@@ -16,6 +16,7 @@ extend forwards and keep the batched extend attention either way.
     python perf/engine_steps.py --sglang-decode                   # the same with SGLang's decode loop
     python perf/engine_steps.py --model llama-size-realistic --load-format dummy
     python perf/engine_steps.py --batch-sizes 8 --profile                   # where a step's time goes
+    python perf/engine_steps.py --batch-sizes 8 --context 480 --kv-gather two-copy   # the earlier K/V gather
 
 ``--profile`` then also runs ``--decode-steps`` more decode steps of max(batch sizes) rows
 under ``torch.profiler`` and prints the operators by self CPU time; the row named
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=6)
     ap.add_argument("--sglang-decode", action="store_true",
                     help="use SGLang's per-request decode attention loop instead of the batched one")
+    ap.add_argument("--kv-gather", choices=("head-rows", "two-copy"), default="head-rows",
+                    help="batched attention's K/V gather: head-rows (served: one copy, head-major) or "
+                         "two-copy (whole tokens, then a transposing copy)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", action="store_true",
                     help="also profile decode steps of max(batch sizes) rows with torch.profiler")
@@ -75,9 +79,12 @@ def main(argv=None) -> int:
         if compat._orig_sdpa_decode is None:
             ap.error("--sglang-decode: the batched CPU attention is not installed here (a GPU host?)")
         tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = compat._orig_sdpa_decode
+    if a.kv_gather == "two-copy":
+        from tokenrouter.engine import sglang_cpu_compat as compat
+        compat.HEAD_ROW_GATHER = False
     engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
     rows = engine.calibrate(bs, context=a.context, decode_steps=a.decode_steps)
-    attn = "per-request (SGLang's)" if a.sglang_decode else "batched"
+    attn = "per-request (SGLang's)" if a.sglang_decode else f"batched, {a.kv_gather} K/V gather"
     print(f"{a.model} ({engine.dtype}, {a.cpu_linear_weights} linear weights, {a.threads} thread(s), "
           f"context {a.context}, {attn} decode attention)")
     print("| rows | decode median ms | resume ms | prefill ms (rows per step) |")

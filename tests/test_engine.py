@@ -227,14 +227,19 @@ def test_cpu_attention_matches_sglang(engine):
     assert engine.kv_tokens_in_use() == 0
 
 
+@pytest.mark.parametrize("gather", ["head-rows", "two-copy", "strided-pool"])
 @pytest.mark.parametrize("dtype,heads,kv_heads", [(torch.bfloat16, 9, 3), (torch.float32, 9, 3),
                                                   (torch.bfloat16, 32, 8), (torch.float32, 4, 4)])
-def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads):
+def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads, gather, monkeypatch):
     """The grouped decode/resume attention (float32 batched matmuls, not SDPA) against a
     float64 per-request reference: GQA and plain multi-head, masks with padding, groups of
     several new tokens, rows that are not contiguous in the step's token order, and a
-    group split by its padding."""
+    group split by its padding.  K/V gathered head-major in one copy (served), in two
+    copies (``HEAD_ROW_GATHER`` off), and from a pool that is not contiguous (a strided
+    view, which must take the two-copy path and not copy the pool)."""
     from tokenrouter.engine import sglang_cpu_compat as compat
+
+    monkeypatch.setattr(compat, "HEAD_ROW_GATHER", gather != "two-copy")
 
     g = torch.Generator().manual_seed(0)
     d, pool, rows_max, ctx = 16, 4096, 16, 512
@@ -246,12 +251,17 @@ def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads):
         req_to_token[r, :L] = perm[r * ctx // 8: r * ctx // 8 + L].to(torch.int32)
     k_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
     v_cache = torch.randn(pool, kv_heads, d, generator=g).to(dtype)
+    if gather == "strided-pool":  # every other token of a pool twice the size: same values, not contiguous
+        k_cache = torch.stack((k_cache, torch.full_like(k_cache, float("nan"))), 1).view(2 * pool, kv_heads, d)[::2]
+        v_cache = torch.stack((v_cache, torch.full_like(v_cache, float("nan"))), 1).view(2 * pool, kv_heads, d)[::2]
+        assert not k_cache.is_contiguous()
     q_tok = torch.randn(sum(new), heads, d, generator=g).to(dtype)
     plan = compat._StepPlan(None, torch.tensor(range(len(lengths))), torch.tensor(lengths), list(new), req_to_token)
     assert not plan.lone and len(plan.groups) >= 4  # by count, and the 1-token group split by padding
     out = torch.zeros_like(q_tok)
     for grp in plan.groups:
         grp.attend(q_tok, out, k_cache, v_cache, d ** -0.5)
+        assert (grp.head_rows is not None) == (gather == "head-rows")
     t, rep = 0, heads // kv_heads
     for r, (L, n) in enumerate(zip(lengths, new)):
         slots = req_to_token[r, :L].long()
