@@ -16,7 +16,7 @@ extend forwards and keep the batched extend attention either way.
     python perf/engine_steps.py --sglang-decode                   # the same with SGLang's decode loop
     python perf/engine_steps.py --model llama-size-realistic --load-format dummy
     python perf/engine_steps.py --batch-sizes 8 --profile                   # where a step's time goes
-    python perf/engine_steps.py --batch-sizes 8 --context 480 --kv-gather two-copy   # the earlier K/V gather
+    python perf/engine_steps.py --batch-sizes 8 --context 480 --kv-gather both       # K/V gather: served vs earlier, alternated
 
 ``--profile`` then also runs ``--decode-steps`` more decode steps of max(batch sizes) rows
 under ``torch.profiler`` and prints the operators by self CPU time; the row named
@@ -50,9 +50,12 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-steps", type=int, default=6)
     ap.add_argument("--sglang-decode", action="store_true",
                     help="use SGLang's per-request decode attention loop instead of the batched one")
-    ap.add_argument("--kv-gather", choices=("head-rows", "two-copy"), default="head-rows",
-                    help="batched attention's K/V gather: head-rows (served: one copy, head-major) or "
-                         "two-copy (whole tokens, then a transposing copy)")
+    ap.add_argument("--kv-gather", choices=("head-rows", "two-copy", "both"), default="head-rows",
+                    help="batched attention's K/V gather: head-rows (served: one copy, head-major), "
+                         "two-copy (whole tokens, then a transposing copy), or both: the two alternated "
+                         "in this process (--alternations), compared on max(batch sizes) rows")
+    ap.add_argument("--alternations", type=int, default=8,
+                    help="--kv-gather both: pairs of timed passes, the order alternating (default 8)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", action="store_true",
                     help="also profile decode steps of max(batch sizes) rows with torch.profiler")
@@ -61,8 +64,8 @@ def main(argv=None) -> int:
         bs = [int(x) for x in a.batch_sizes.split(",") if x]
     except ValueError:
         ap.error("--batch-sizes takes comma-separated integers")
-    if not bs or min(bs) < 1 or a.context < 1 or a.decode_steps < 1 or a.threads < 1:
-        ap.error("--batch-sizes, --context, --decode-steps and --threads take positive integers")
+    if not bs or min(bs) < 1 or a.context < 1 or a.decode_steps < 1 or a.threads < 1 or a.alternations < 1:
+        ap.error("--batch-sizes, --context, --decode-steps, --threads and --alternations take positive integers")
 
     from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
     from tokenrouter.triton.common import resolve_model_path
@@ -83,6 +86,8 @@ def main(argv=None) -> int:
         from tokenrouter.engine import sglang_cpu_compat as compat
         compat.HEAD_ROW_GATHER = False
     engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
+    if a.kv_gather == "both":
+        return _alternate_kv_gather(engine, max(bs), a.context, a.decode_steps, a.alternations)
     rows = engine.calibrate(bs, context=a.context, decode_steps=a.decode_steps)
     attn = "per-request (SGLang's)" if a.sglang_decode else f"batched, {a.kv_gather} K/V gather"
     print(f"{a.model} ({engine.dtype}, {a.cpu_linear_weights} linear weights, {a.threads} thread(s), "
@@ -98,6 +103,30 @@ def main(argv=None) -> int:
         with open(a.json, "w") as f:
             json.dump({"model": a.model, "dtype": engine.dtype, "cpu_linear_weights": a.cpu_linear_weights,
                        "threads": a.threads, "context": a.context, "decode_attention": attn, "rows": rows}, f, indent=1)
+    return 0
+
+
+def _alternate_kv_gather(engine, rows: int, context: int, steps: int, pairs: int) -> int:
+    """Time ``rows``-row decode steps with each K/V gather in turn, ``pairs`` times (order
+    alternating: AB, BA, ...), in this one process, and print each side's median step time
+    (the median of a pass's ``steps`` decode steps, in ms) and the paired ratio two-copy /
+    head-rows per pair (median, min, max): on a host whose speed drifts, pairs taken
+    minutes apart in separate runs do not separate a 5-10 % change."""
+    import statistics
+
+    from tokenrouter.engine import sglang_cpu_compat as compat
+
+    times = {True: [], False: []}
+    for i in range(pairs):
+        for flag in ((False, True) if i % 2 == 0 else (True, False)):
+            compat.HEAD_ROW_GATHER = flag
+            times[flag].append(engine.calibrate([rows], context=context, decode_steps=steps)[0]["decode_median_s"] * 1e3)
+    compat.HEAD_ROW_GATHER = True
+    ratios = [a / b for a, b in zip(times[False], times[True])]
+    print(f"{rows} rows, context {context}, {pairs} alternations: decode step median two-copy "
+          f"{statistics.median(times[False]):.1f} ms, head-rows {statistics.median(times[True]):.1f} ms; "
+          f"two-copy / head-rows per pair: median {statistics.median(ratios):.3f} "
+          f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
     return 0
 
 

@@ -344,11 +344,11 @@ class _Group:
         matmuls need head-major: a second full copy per layer.  Viewing the pool as one row
         per (token, KV head) and gathering ``head_rows`` writes the head-major layout
         directly (the same values in the same layout, so the result is bit-identical).
-        Measured on an AVX2-only AMD EPYC (float32, one thread, 8 rows, scattered slots):
-        the attention of a 30-layer SLM step 13.2 -> 9.4 ms at 96 keys and 112 -> 77 ms at
-        480; the whole 8-row SLM decode step at 480 keys 215 -> 194 ms (median of 8
-        alternations); in bfloat16, whose ``.float()`` copies remain, 2-9 % of the
-        attention (docs/performance.md, "Engine step times").  A pool that is not contiguous
+        Measured on an AVX2-only AMD EPYC (float32, one thread, ``perf/engine_steps.py
+        --kv-gather both``): an 8-row SLM decode step 227 -> 188 ms at 480 keys of context
+        and 126 -> 120 ms at 96 (medians of 8 alternations), the LLM's 471 -> 454 ms at 96
+        (docs/performance.md, "Engine step times").  In bfloat16 the ``.float()`` copies
+        remain and the gain is smaller.  A pool that is not contiguous
         (never seen in SGLang's pools) takes the two-copy path.
         """
         B, L = self.B, self.L
