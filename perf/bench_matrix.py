@@ -22,13 +22,18 @@ Measurement (per cell: mode × concurrency N × max output tokens):
 
 * **steady state** (default, ``--duration SECONDS``), as genai-perf / aiperf
   define it: N clients send requests back to back; a warm-up (until every
-  client has finished one request; ``--warmup-s`` sets a minimum) and the
-  drain are excluded; the measurement period is split into ``--windows``
+  client has finished one request, or 2N requests have finished;
+  ``--warmup-s`` sets a minimum) and the drain are excluded.  At the end of
+  the period the requests in flight are cancelled (``--drain cancel``, the
+  default: their tokens streamed inside the period count; the next cell
+  starts once no model holds a request) or awaited (``--drain wait``, the
+  runs before 2026-12-04).  The measurement period is split into ``--windows``
   (default 3) consecutive windows and each window's output-token throughput
   counts the tokens streamed inside it, by their client-side arrival times
   (``perf/loadgen.py``).  Reported: tokens/s and requests/s (mean over the
   windows, 95 % confidence half-width and min–max), TTFT / ITL / end-to-end
-  latency at p50/p90/p99 of the requests that started in the period, LLM token
+  latency at p50/p90/p99 of the requests that completed in the period
+  (perf_analyzer's convention; with ``--drain wait``: that started in it), LLM token
   share, handoffs per request and each model's busy share of the period
   (``step_time_s`` counters of ``admin.model_stats`` at the window
   boundaries).  Ratios of tokenrouter against each baseline come with a 95 %
@@ -68,7 +73,8 @@ issue's 128/512, N up to 8, 12 s of measurement per cell); ``--full``
 restores 128/512, N = 1, 4, 8, 16, 32 and 120 s per cell for GPU hosts.
 
 Run time here (2 cores): a steady cell costs its warm-up (about one request's
-latency), ``--duration`` and the drain (at most one request's latency);
+latency), ``--duration`` and, with ``--drain wait``, the drain (at most one request's
+latency; the figures below are for it);
 tokenrouter, eager-async, lock-step and std-serving requests of 48 tokens take
 about 5-15 s at N = 8-32 on the size-realistic pair, llm-only ones up to
 ~30 s at N = 32.  So ``--pairs size-realistic --concurrency 8,32 --max-tokens
@@ -97,7 +103,7 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -284,6 +290,7 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
         busy) when ``cpu`` is given.
     """
     marks: List[tuple] = []
+    stats = probe
     if cpu is not None:
         inner = probe
 
@@ -300,20 +307,42 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
                 row["model_stats"] = _stats_delta(before, after)
         _cpu_share(row, marks)
         return row
-    load = SteadyLoad(target, prompts, N, L, model=model, tokenizer=tokenizer).start()
+    load = SteadyLoad(target, prompts, N, L, model=model, tokenizer=tokenizer,
+                      tokens_per_chunk=args.stream_interval).start()
     try:
         m = load.measure(args.duration, args.windows, probe=probe, min_warmup_s=args.warmup_s, since=load.t_started)
     except BaseException:  # Ctrl-C or SIGTERM: no drain (it can take as long as a request); the server stops
         load.stop(timeout_s=0)
         raise
-    recs = load.stop()
+    cancel = args.drain == "cancel"
+    recs = load.stop(cancel=cancel)
+    if cancel and stats is not None:
+        _wait_idle(stats)
     have_stats = probe is not None and bool(m["probes"][0])
-    row = window_summary(recs, m["bounds"], probes=m["probes"] if have_stats else None)
+    row = window_summary(recs, m["bounds"], probes=m["probes"] if have_stats else None,
+                         latencies="completed" if cancel else "started")
     row["warmup_s"] = m["warmup_s"]
     if have_stats:
         row["model_stats"] = _stats_delta(m["probes"][0], m["probes"][-1])
     _cpu_share(row, marks)
     return row
+
+
+def _wait_idle(stats: Callable[[], Dict[str, Dict[str, Any]]], timeout_s: float = 120.0) -> None:
+    """Wait until no model holds a request (``active`` 0 in every model's stats), so that the
+    requests cancelled at the end of a cell do not step into the next one.
+
+    Raises:
+        TimeoutError: a model still holds requests after ``timeout_s`` seconds.
+    """
+    end = time.monotonic() + timeout_s
+    while True:
+        busy = {m: s.get("active", 0) for m, s in stats().items() if s.get("active", 0)}
+        if not busy:
+            return
+        if time.monotonic() > end:
+            raise TimeoutError(f"requests still active {timeout_s:g} s after the cell's cancellation: {busy}")
+        time.sleep(0.2)
 
 
 def _cpu_share(row: Dict[str, Any], marks: List[tuple]) -> None:
@@ -590,9 +619,9 @@ class NoTriton:
                         self._tl.trace.extend([k] * len(ids))
                     yield ids, ev
 
-            def generate(self, prompt, sampling, chat=True, on_text=None):
+            def generate(self, prompt, sampling, chat=True, on_text=None, cancelled=lambda: False):
                 self._tl.ids, self._tl.trace = [], []
-                out = super().generate(prompt, sampling, chat=chat, on_text=on_text)
+                out = super().generate(prompt, sampling, chat=chat, on_text=on_text, cancelled=cancelled)
                 n = out["num_output_tokens"]
                 out["routing_trace"] = {"models": self.models, "token_ids": self._tl.ids[:n],
                                         "trace": self._tl.trace[:n]}
@@ -605,7 +634,9 @@ class NoTriton:
             router = TracingRouter(self.cluster, MODELS,
                                    resolve_model_path(rp.get("tokenizer_path", "smollm2-135m-instruct")),
                                    rp.get("algorithm", "rstitch"), json.loads(rp.get("algorithm_params") or "{}"))
-            self.gen = lambda p, sp, cb: router.generate(p, sp, on_text=cb)  # noqa: E731
+            def gen(p, sp, cb, abort=None):
+                return router.generate(p, sp, on_text=cb, cancelled=abort.is_set if abort else (lambda: False))
+            self.gen = gen
             run_load(self.gen, _prompts(), 2, 8)  # warm-up
         except BaseException:
             self.cluster.close()
@@ -749,9 +780,11 @@ def _pcts(r: Dict[str, Any], name: str, scale: float = 1.0) -> str:
 def markdown(results: Dict[str, Any]) -> str:
     """The results table, tokenrouter's ratios against each baseline (with spread) and diagnostics."""
     rows = results["rows"]
+    which = ("started" if results["settings"].get("drain", "wait") == "wait"
+             else "completed")  # runs before --drain waited for the requests in flight
     lines = [f"Settings: {results['settings']}", "",
              "tok/s and req/s: mean over the measurement windows, ± 95 % confidence half-width, [min–max] "
-             "(steady state); latencies of the requests that started in the measurement period; busy = share of "
+             f"(steady state); latencies of the requests that {which} in the measurement period; busy = share of "
              "the period each model spent in steps.", "",
              "| pair | mode | N | max tokens | tok/s | req/s | TTFT p50/p90/p99 s | ITL p50/p90/p99 ms | "
              "e2e p50/p90/p99 s | e2e p99/p50 | LLM share | handoffs/req | busy slm/llm | B* |",
@@ -947,7 +980,12 @@ def main(argv=None) -> int:
                          "an N, so that the throughput change from the shortest to the longest length is "
                          "paired per repeat as well (default: each length's cells in turn)")
     ap.add_argument("--warmup-s", type=float, default=0.0,
-                    help="steady state: minimum warm-up in seconds (besides every client finishing one request)")
+                    help="steady state: minimum warm-up in seconds (besides every client finishing one request "
+                         "or 2N requests finishing)")
+    ap.add_argument("--drain", choices=("cancel", "wait"), default="cancel",
+                    help="steady state: at the end of a cell cancel the requests in flight and report the "
+                         "latencies of the requests that completed in the measurement period (perf_analyzer's "
+                         "convention; default), or wait for them and report those that started in it")
     ap.add_argument("--one-shot", action="store_true",
                     help="one-shot mode instead: every client sends --requests-per-client requests; "
                          "throughput = all tokens / the cell's wall time")
@@ -1045,7 +1083,7 @@ def main(argv=None) -> int:
                 "duration_s": None if a.one_shot else a.duration, "windows": None if a.one_shot else a.windows,
                 "repeats": a.repeats, "interleave_lengths": a.interleave_lengths,
                 "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor,
-                "calibrate": a.calibrate, "full": a.full, "stream_interval": a.stream_interval,
+                "calibrate": a.calibrate, "full": a.full, "stream_interval": a.stream_interval, "drain": a.drain,
                 "cpu_count": os.cpu_count(),
                 "note": _scale_note(a)}
     results: Dict[str, Any] = {"settings": settings, "rows": []}

@@ -61,7 +61,7 @@ for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"),
     if p not in sys.path:
         sys.path.insert(0, p)
 
-from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _stats_delta,  # noqa: E402
+from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _stats_delta, _wait_idle,  # noqa: E402
                           b_star_from_events, calibrate_server, configure_mode, ratio_interval,
                           wait_bound_us)
 from loadgen import SteadyLoad, load_tokenizer, run_load, window_summary  # noqa: E402
@@ -328,7 +328,8 @@ def main(argv=None) -> int:
             except BaseException:  # interrupted: no drain; leaving the server block stops the server
                 load.stop(timeout_s=0)
                 raise
-            load.stop()
+            load.stop(cancel=True)  # every point is measured: the requests in flight are not needed
+            _wait_idle(lambda: {m: admin.model_stats(url, m) for m in MODELS})
             report["rows"].append(row)
             print(f"N={N}: DTMC B* {_fmt_B(row['B_star_dtmc'])} measured "
                   f"{row['measured_at_B_star']['throughput_tok_s']:.2f} tok/s; best {_fmt_B(row['B_best_measured'])} "

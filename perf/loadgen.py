@@ -7,8 +7,10 @@ client (TTFT, ITL, end-to-end latency):
   and aiperf define output-token throughput under a concurrency level: each of
   N clients sends requests back to back for the whole run; a warm-up (until
   every client has finished one request that started after the measurement was
-  asked for, optionally a minimum time) and the drain after the measurement
-  are excluded; the measurement period is split into ``windows`` consecutive
+  asked for, or 2N such requests have finished, whichever comes first;
+  optionally a minimum time) and the drain after the measurement are excluded
+  (``stop(cancel=True)`` cancels the requests in flight instead of waiting for
+  them); the measurement period is split into ``windows`` consecutive
   windows, and a window's throughput counts the output tokens *streamed inside
   it*, by their client-side arrival times, so one slow request cannot set the
   figure.  Mean and spread over the windows are reported.
@@ -27,7 +29,10 @@ wrote each), and the client replays the router's own detokeniser
 arrived with the first chunk whose cumulative text covers the text up to and
 including token *i* (a token without text of its own: with the next chunk that
 brings new text); tokens whose text never arrived in a chunk arrived with the
-final response.  See :func:`token_arrival_times`.
+final response.  See :func:`token_arrival_times`.  A request cancelled at the end
+of a measurement has no trace: its tokens are counted as ``tokens_per_chunk`` per
+streamed chunk with text, at the chunk's arrival (a token without text of its own
+is missed).
 """
 
 from __future__ import annotations
@@ -67,6 +72,8 @@ class RequestRecord:
         token_model: index (in ``models``) of the model that wrote each output token; empty when
             the server sent no trace.
         models: the deployment's model names (from the trace).
+        cancelled: the client cancelled the request before it finished (the end of a
+            measurement); ``token_t_s`` then holds the tokens streamed until then.
     """
 
     ttft_s: float
@@ -80,6 +87,7 @@ class RequestRecord:
     token_t_s: List[float] = field(default_factory=list)
     token_model: List[int] = field(default_factory=list)
     models: List[str] = field(default_factory=list)
+    cancelled: bool = False
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -176,23 +184,45 @@ def token_arrival_times(chunks: Sequence[Tuple[float, str]], token_ids: Sequence
 
 
 def triton_client(url: str, model: str = "token_router") -> Callable:
-    """A generate function streaming from a Triton router model over gRPC (with the routing trace)."""
+    """A generate function streaming from a Triton router model over gRPC (with the routing trace).
+
+    It takes ``abort`` (a ``threading.Event``): once set, the request is cancelled on the server
+    and ``RequestAborted`` raised.
+    """
     from tokenrouter.tools.cli import stream_generate
 
-    def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None]) -> Dict:
-        return stream_generate(url, prompt, sampling, chat=True, trace=True, model=model, on_text=on_text)
+    def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None],
+            abort: Optional[threading.Event] = None) -> Dict:
+        return stream_generate(url, prompt, sampling, chat=True, trace=True, model=model, on_text=on_text,
+                               abort=abort)
     return gen
 
 
-def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None) -> RequestRecord:
+def _takes_abort(gen: Callable) -> bool:
+    """Whether a generate function accepts the ``abort`` keyword (cancellation at a measurement's end)."""
+    import inspect
+
+    try:
+        return "abort" in inspect.signature(gen).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None, abort: Optional[threading.Event] = None,
+         tokens_per_chunk: int = 1) -> RequestRecord:
     chunks: List[Tuple[float, str]] = []
     t0 = time.perf_counter()
+    kw = {} if abort is None else {"abort": abort}
     try:
         out = gen(prompt, {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
-                  lambda s: chunks.append((time.perf_counter(), s)) if s else None)
+                  lambda s: chunks.append((time.perf_counter(), s)) if s else None, **kw)
     except Exception as e:  # noqa: BLE001
-        return RequestRecord(float("nan"), [], time.perf_counter() - t0, 0, {}, 0, error=str(e) or repr(e),
-                             t_start_s=t0)
+        t1 = time.perf_counter()
+        if abort is not None and abort.is_set():  # cancelled at the end of a measurement: keep its tokens
+            times = [t for t, _s in list(chunks) for _ in range(tokens_per_chunk)]
+            return RequestRecord(chunks[0][0] - t0 if chunks else float("nan"), [], t1 - t0, len(times), {}, 0,
+                                 t_start_s=t0, token_t_s=times, cancelled=True)
+        return RequestRecord(float("nan"), [], t1 - t0, 0, {}, 0, error=str(e) or repr(e), t_start_s=t0)
     t1 = time.perf_counter()
     s = out.get("routing_summary", {})
     tr = out.get("routing_trace") or {}
@@ -214,6 +244,7 @@ def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None) -> Request
         token_t_s=times,
         token_model=[int(i) for i in tr.get("trace", [])] if len(tr.get("trace", [])) == n else [],
         models=list(tr.get("models", [])),
+        cancelled=out.get("finish_reason") == "cancelled",
     )
 
 
@@ -293,7 +324,8 @@ def summarize(run: Dict, llm: str = "llm") -> Dict[str, float]:
 
 
 def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = "llm",
-                   probes: Optional[Sequence[Dict[str, Dict[str, float]]]] = None) -> Dict[str, Any]:
+                   probes: Optional[Sequence[Dict[str, Dict[str, float]]]] = None,
+                   latencies: str = "started") -> Dict[str, Any]:
     """Steady-state figures of one measurement, from the records of a :class:`SteadyLoad`.
 
     Args:
@@ -303,23 +335,32 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
         probes: optional, one per boundary: ``{model: admin.model_stats(...)}``; a model's busy
             share of window w is the increase of its ``step_time_s`` counter over the window
             divided by the window's length.
+        latencies: which requests the latency percentiles describe: ``"started"`` (those that
+            started in ``[t0, tW)``; needs the drain) or ``"completed"`` (those that finished in
+            ``[t0, tW)``, perf_analyzer's convention; right where the requests in flight at ``tW``
+            were cancelled).  Requests the client cancelled (``cancelled``) count for their
+            streamed tokens only: never for latencies, completions, errors or handoffs.
 
     Returns:
         ``throughput_tok_s`` (mean over windows of output tokens whose arrival time lies in
         ``[t_w, t_{w+1})``, divided by the window length), ``throughput`` (:func:`spread` of the
         per-window values), ``throughput_tok_s_windows``; the same for requests/s (requests that
         completed inside a window): ``requests_per_s``, ``requests``; :func:`latency_stats` of the
-        successful requests that *started* in ``[t0, tW)``; ``llm_share`` (share of the tokens
-        streamed in ``[t0, tW)`` that ``llm`` wrote; from the routing summaries of the requests
-        started in the period when a trace is missing); ``handoffs_per_request`` and ``errors``
-        over requests started in the period; ``requests_started``; ``output_tokens`` (streamed in
-        the period); ``window_s``; ``busy_share`` ``{model: spread dict}`` when probes are given.
+        successful requests that started (or completed, see ``latencies``) in ``[t0, tW)``;
+        ``llm_share`` (share of the tokens streamed in ``[t0, tW)`` that ``llm`` wrote, over the
+        requests with a trace; from the routing summaries of the latency requests when no trace
+        came); ``handoffs_per_request`` and ``errors`` over the latency requests;
+        ``requests_started``; ``output_tokens`` (streamed in the period); ``window_s``;
+        ``busy_share`` ``{model: spread dict}`` when probes are given.
 
     Raises:
-        ValueError: fewer than 2 bounds, bounds not increasing, or probes of the wrong length.
+        ValueError: fewer than 2 bounds, bounds not increasing, probes of the wrong length, or
+            an unknown ``latencies``.
     """
     if len(bounds) < 2 or any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"bounds must be >= 2 increasing times, got {list(bounds)}")
+    if latencies not in ("started", "completed"):
+        raise ValueError(f"latencies must be 'started' or 'completed', got {latencies!r}")
     if probes is not None and len(probes) != len(bounds):
         raise ValueError(f"{len(probes)} probes for {len(bounds)} bounds")
     t0, tW = bounds[0], bounds[-1]
@@ -331,19 +372,22 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
     for r in records:
         if r["error"]:
             continue
+        cancelled = r.get("cancelled", False)
         for t in r["token_t_s"]:
             for w in range(W):
                 if bounds[w] <= t < bounds[w + 1]:
                     tok[w] += 1
                     break
         end = r["t_start_s"] + r["e2e_s"]
-        for w in range(W):
+        for w in range(W if not cancelled else 0):
             if bounds[w] <= end < bounds[w + 1]:
                 done[w] += 1
                 break
         inside = [i for i, t in enumerate(r["token_t_s"]) if t0 <= t < tW]
         if inside:
             if len(r.get("token_model", [])) != len(r["token_t_s"]) or llm not in r.get("models", []):
+                if cancelled:
+                    continue  # cut off without a trace: its tokens count above, not in the share
                 have_trace = False
             else:
                 k = r["models"].index(llm)
@@ -353,7 +397,11 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
     tps = [n / L for n, L in zip(tok, lens)]
     rps = [n / L for n, L in zip(done, lens)]
     started = [r for r in records if t0 <= r["t_start_s"] < tW]
-    ok = [r for r in started if not r["error"]]
+    if latencies == "completed":
+        measured = [r for r in records if t0 <= r["t_start_s"] + r["e2e_s"] < tW and not r.get("cancelled", False)]
+    else:
+        measured = [r for r in started if not r.get("cancelled", False)]
+    ok = [r for r in measured if not r["error"]]
     if have_trace:
         llm_share = llm_tok / in_tok if in_tok else float("nan")
     else:
@@ -366,7 +414,7 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
         **latency_stats(ok),
         "llm_share": llm_share,
         "handoffs_per_request": statistics.fmean([r["handoffs"] for r in ok]) if ok else float("nan"),
-        "requests_started": len(started), "errors": len(started) - len(ok),
+        "requests_started": len(started), "errors": len(measured) - len(ok), "latencies_of": latencies,
         "output_tokens": sum(tok), "window_s": statistics.fmean(lens), "windows": W,
     }
     if probes is not None:
@@ -386,16 +434,22 @@ class SteadyLoad:
         concurrency: N (>= 1).
         max_tokens: output tokens per request (``ignore_eos``, greedy).
         tokenizer: :func:`load_tokenizer` result (token arrival replay).
+        tokens_per_chunk: output tokens per streamed chunk (the models' ``stream_interval``);
+            counts the tokens of a request cancelled by ``stop(cancel=True)``.
 
     Use: ``start()``, then one or more ``measure(...)`` (settings may change between them:
-    each measurement waits for its own warm-up), then ``stop()`` (drains in-flight requests).
+    each measurement waits for its own warm-up), then ``stop()`` (drains in-flight requests)
+    or ``stop(cancel=True)`` (cancels them, where the generate function takes ``abort``).
     """
 
     def __init__(self, target, prompts: Sequence[str], concurrency: int, max_tokens: int,
-                 model: str = "token_router", tokenizer=None):
-        if concurrency < 1 or max_tokens < 1 or not prompts:
-            raise ValueError("concurrency and max_tokens must be >= 1 and prompts non-empty")
+                 model: str = "token_router", tokenizer=None, tokens_per_chunk: int = 1):
+        if concurrency < 1 or max_tokens < 1 or not prompts or tokens_per_chunk < 1:
+            raise ValueError("concurrency, max_tokens and tokens_per_chunk must be >= 1 and prompts non-empty")
         self._gen = _gen_for(target, model)
+        self.tokens_per_chunk = tokens_per_chunk
+        #: set by stop(cancel=True): the clients' requests in flight are cancelled
+        self._abort: Optional[threading.Event] = threading.Event() if _takes_abort(self._gen) else None
         self.prompts, self.N, self.max_tokens, self.tokenizer = list(prompts), concurrency, max_tokens, tokenizer
         self.records: List[RequestRecord] = []
         self._cv = threading.Condition()
@@ -403,6 +457,7 @@ class SteadyLoad:
         self._threads: List[threading.Thread] = []
         self._next = 0
         self._last_start_done = [float("-inf")] * concurrency  # start time of each client's last finished request
+        self._done_starts: List[float] = []  # start time of every finished request, in finishing order
         self.t_started = float("nan")  # perf_counter time of start()
 
     def start(self) -> "SteadyLoad":
@@ -419,22 +474,34 @@ class SteadyLoad:
             with self._cv:
                 i = self._next
                 self._next += 1
-            rec = _one(self._gen, self.prompts[i % len(self.prompts)], self.max_tokens, self.tokenizer)
+            rec = _one(self._gen, self.prompts[i % len(self.prompts)], self.max_tokens, self.tokenizer,
+                       abort=self._abort, tokens_per_chunk=self.tokens_per_chunk)
             with self._cv:
                 self.records.append(rec)
                 self._last_start_done[c] = rec.t_start_s
+                self._done_starts.append(rec.t_start_s)
                 self._cv.notify_all()
             if rec.error:
                 time.sleep(0.1)  # a failing server: do not spin
 
     def wait_warm(self, since: float, timeout_s: float = 1800.0) -> float:
-        """Block until every client has finished a request sent at or after ``since``; return the time.
+        """Block until the load is warm; return the time.
+
+        Warm: every client has finished a request sent at or after ``since``, or 2N requests sent
+        at or after ``since`` have finished (N = concurrency), whichever comes first.  The second
+        rule ends the warm-up of a load whose latencies are heavy-tailed (a few requests many times
+        the median) once the clients have turned over, instead of after its slowest first request.
 
         Raises:
             TimeoutError: not warm after ``timeout_s``.
         """
+        def warm() -> bool:
+            if min(self._last_start_done) >= since:
+                return True
+            return sum(1 for t in self._done_starts if t >= since) >= 2 * self.N
+
         with self._cv:
-            if not self._cv.wait_for(lambda: min(self._last_start_done) >= since, timeout=timeout_s):
+            if not self._cv.wait_for(warm, timeout=timeout_s):
                 raise TimeoutError(f"clients not warm after {timeout_s} s")
         return time.perf_counter()
 
@@ -447,10 +514,10 @@ class SteadyLoad:
             duration_s: length of the measurement period (s, > 0), warm-up excluded.
             windows: number of windows (>= 1).
             probe: called at every window boundary (e.g. model counters); its results are returned.
-            min_warmup_s: warm up at least this long (s, counted from ``since``), besides every client
-                finishing a request.
-            since: the warm-up waits for every client to finish a request sent at or after this time
-                (perf_counter s; default: now).  Pass :attr:`t_started` for the first measurement of a
+            min_warmup_s: warm up at least this long (s, counted from ``since``), besides the rule of
+                :meth:`wait_warm`.
+            since: the warm-up counts requests sent at or after this time (perf_counter s; default:
+                now).  Pass :attr:`t_started` for the first measurement of a
                 fresh load, whose first requests were sent before ``measure`` was called.
 
         Returns:
@@ -481,9 +548,18 @@ class SteadyLoad:
             bounds.append(time.perf_counter())
         return {"bounds": bounds, "probes": probes, "warmup_s": t0 - since}
 
-    def stop(self, timeout_s: float = 1800.0) -> List[Dict]:
-        """Send no new requests, wait for the in-flight ones (the drain) and return all records as dicts."""
+    def stop(self, timeout_s: float = 1800.0, cancel: bool = False) -> List[Dict]:
+        """Send no new requests and return all records as dicts.
+
+        Args:
+            timeout_s: wait at most this long for the clients (s).
+            cancel: cancel the requests in flight (recorded with ``cancelled``, keeping the tokens
+                they streamed) instead of waiting for them (the drain); a generate function
+                without ``abort`` is drained all the same.
+        """
         self._stop.set()
+        if cancel and self._abort is not None:
+            self._abort.set()
         end = time.monotonic() + timeout_s
         for th in self._threads:
             th.join(timeout=max(0.0, end - time.monotonic()))

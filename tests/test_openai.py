@@ -202,6 +202,12 @@ def test_errors_are_openai_format(client, frontend):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=10**6, stream=True)
     assert "context length" in _error(e.value)["message"]
+    # a chat prompt over the context length names the chat request's own field
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi " * 9000}],
+                                       max_tokens=4)
+    err = _error(e.value)
+    assert "context length" in err["message"] and err["param"] == "messages", err
 
     # checked by the router (a token id beyond the vocabulary): a 400 naming the field, not a 500
     with pytest.raises(openai.BadRequestError) as e:

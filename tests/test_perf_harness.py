@@ -63,6 +63,82 @@ def test_warmup_and_drain_excluded():
     assert s["e2e_p50_s"] == pytest.approx(7.0)
 
 
+def test_latencies_of_completed_requests_and_cancelled_ones_count_tokens_only():
+    bounds = [100.0, 102.0, 104.0, 106.0]
+    warm = rec(90.0, [95.0, 99.0, 100.5], ttft=5.0, e2e=10.6)       # started before, completed inside
+    inside = rec(101.0, [101.5, 103.0], ttft=0.5, e2e=3.0)           # started and completed inside
+    late = rec(104.0, [104.5, 105.0, 107.0], ttft=0.5, e2e=4.0)      # started inside, completes after
+    cut = {**rec(105.0, [105.5, 105.9, 106.2]), "cancelled": True, "token_model": [], "models": [],
+           "e2e_s": 1.3}                                              # cancelled at 106.3, no trace
+    failed = rec(103.0, [], error="boom", e2e=0.5)                    # failed inside
+    s = window_summary([warm, inside, late, cut, failed], bounds, latencies="completed")
+    assert s["latencies_of"] == "completed"
+    # latencies: warm and inside (completed in the period); late completes after, cut was cancelled
+    assert s["e2e_p50_s"] == pytest.approx((10.6 + 3.0) / 2) and s["ttft_p99_s"] == pytest.approx(5.0, rel=0.05)
+    assert s["errors"] == 1
+    # the cancelled request's tokens streamed inside count (105.5, 105.9), as do everyone else's
+    assert s["throughput_tok_s_windows"] == [1.0, 0.5, 2.0]
+    # completions: warm (100.6) in w0, inside (104.0) in w2; the cancelled one is no completion
+    assert s["requests_per_s_windows"] == [0.5, 0.0, 0.5]
+    # a cancelled request without a trace leaves the LLM share to the traced requests
+    assert s["llm_share"] == 0.0
+    # started in the period: inside, late, cut, failed
+    assert s["requests_started"] == 4
+    # the same records the drain way: latencies of the requests that started inside, never the cancelled one
+    s2 = window_summary([warm, inside, late, cut, failed], bounds)
+    assert s2["latencies_of"] == "started" and s2["e2e_p50_s"] == pytest.approx(3.5) and s2["errors"] == 1
+    with pytest.raises(ValueError, match="latencies"):
+        window_summary([], bounds, latencies="finished")
+
+
+def _fake_stream(durations, step_s=0.02):
+    """A generate function (no server) streaming one token per ``step_s`` for the request's duration.
+
+    ``durations``: callable (prompt) -> seconds.  It honours ``abort`` as token_router's client does:
+    stops and raises once the event is set."""
+    import threading
+
+    def gen(prompt, sampling, on_text, abort: "threading.Event" = None):
+        import time as _t
+
+        n = 0
+        end = _t.perf_counter() + durations(prompt)
+        while _t.perf_counter() < end:
+            if abort is not None and abort.is_set():
+                raise RuntimeError("aborted")
+            _t.sleep(step_s)
+            n += 1
+            on_text("x")
+        return {"num_output_tokens": n, "routing_summary": {"tokens_by_model": {"slm": n}, "handoffs": 0}}
+    return gen
+
+
+def test_steady_load_warms_up_after_2n_completions_and_cancels_in_flight_requests():
+    # one prompt takes 20 s, the other 0.1 s: waiting for every client's first request would take 20 s
+    gen = _fake_stream(lambda p: 20.0 if p == "slow" else 0.1)
+    load = SteadyLoad(gen, ["slow"] + ["fast"] * 20, 3, 8, tokens_per_chunk=2).start()
+    try:
+        m = load.measure(1.0, windows=2, since=load.t_started)
+    finally:
+        import time as _t
+
+        t0 = _t.perf_counter()
+        recs = load.stop(timeout_s=10, cancel=True)
+        stopped_in = _t.perf_counter() - t0
+    assert m["warmup_s"] < 5.0  # the 2N rule: 6 fast requests finished long before the slow one
+    assert stopped_in < 5.0     # the slow request was cancelled, not awaited
+    cut = [r for r in recs if r["cancelled"]]
+    assert any(r["output_tokens"] > 20 for r in cut)  # the slow one streamed for seconds before its cut
+    for r in cut:  # tokens_per_chunk tokens per chunk with text, at the chunk's arrival
+        assert r["output_tokens"] == len(r["token_t_s"]) and r["output_tokens"] % 2 == 0 and not r["error"]
+    s = window_summary(recs, m["bounds"], latencies="completed")
+    assert s["errors"] == 0 and s["output_tokens"] > 0
+    # a generate function without ``abort`` is drained, never cut
+    plain = SteadyLoad(lambda p, sp, cb: gen(p, sp, cb), ["fast"], 2, 8).start()
+    plain.wait_warm(plain.t_started)
+    assert not any(r["cancelled"] for r in plain.stop(timeout_s=10, cancel=True))
+
+
 def test_llm_share_of_tokens_streamed_in_the_period_and_handoffs():
     bounds = [0.0, 1.0, 2.0]
     a = rec(-0.5, [-0.1, 0.2, 0.4, 0.6], token_model=[1, 1, 0, 0], handoffs=1)  # 1 of its 3 in-period tokens by llm
@@ -299,6 +375,30 @@ def test_steady_load_against_the_server(triton_server, tokenizer):
         assert admin.model_stats(url, x)["kv_tokens_in_use"] == 0
 
 
+def test_steady_load_cancel_ends_the_server_requests(triton_server, tokenizer):
+    """stop(cancel=True) cancels the requests in flight on the server: the stop returns long before a
+    request could have finished, the records keep the tokens streamed so far, every model frees its KV."""
+    import time as _t
+
+    from tr_client import generate, wait_kv_released
+
+    url = triton_server.grpc_url
+    load = SteadyLoad(url, ["Tell me a long story.", "Describe the sea."], 2, 400, tokenizer=tokenizer).start()
+    _t.sleep(2.0)
+    t0 = _t.perf_counter()
+    recs = load.stop(timeout_s=120, cancel=True)
+    assert _t.perf_counter() - t0 < 20.0  # one 400-token request takes far longer on this CPU
+    cut = [r for r in recs if r["cancelled"]]
+    assert len(cut) == 2 and not any(r["error"] for r in recs), recs
+    for r in cut:
+        assert r["output_tokens"] == len(r["token_t_s"]) < 400
+        assert all(r["t_start_s"] < t <= r["t_start_s"] + r["e2e_s"] for t in r["token_t_s"])
+    st = wait_kv_released(triton_server)
+    assert all(s["kv_tokens_in_use"] == 0 and s["active"] == 0 for s in st.values()), st
+    out = generate(triton_server, "Name a colour.", {"max_tokens": 4, "temperature": 0})
+    assert out["text_output"]
+
+
 def test_bench_matrix_tiny(repo_root, tmp_path):
     """Every mode end to end, 2 interleaved repeats (no-triton's workers beside the server)."""
     out = tmp_path / "matrix"
@@ -318,7 +418,9 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
         assert r["throughput_tok_s"] > 0 and r["N"] == 2 and r["max_tokens"] == 4, (mode, r)
         assert len(r["throughput_tok_s_windows"]) == 6 and r["throughput"]["n"] == 6, (mode, r)  # 2 × 3
         assert r["repeats"] == 2 and len(r["throughput_repeats"]) == 2, (mode, r)
-        if r["requests_started"]:  # latencies of the requests that started in the period (maybe none here)
+        # the default drain cancels the requests in flight: latencies of those that completed in the period
+        assert r["latencies_of"] == "completed", (mode, r)
+        if r["requests_per_s"] > 0:  # a request completed in the period (a loaded machine may have none)
             assert r["e2e_p99_s"] >= r["e2e_p50_s"] > 0, (mode, r)
     # every mode ran its own configuration: llm-only routes nothing to the SLM, tokenrouter got a B*
     assert rows["llm-only"]["llm_share"] == 1.0 and rows["llm-only"]["handoffs_per_request"] == 0
@@ -355,6 +457,8 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
     md = (out / "results.md").read_text()
     assert "Throughput ratio tokenrouter / baseline" in md and "no-triton" in md and "p50/p90/p99" in md
     assert "CPU used during the measurement, by process" in md
+    assert "latencies of the requests that completed in the measurement period" in md
+    assert res["settings"]["drain"] == "cancel"
     assert list(out.glob("throughput_vs_N_demo_*.png")) and (out / "throughput_vs_length_demo.png").exists()
     # the DTMC's latency model was fitted to the served steps and to a calibration up to N
     calib = json.loads((out / "run-demo" / "calibration.json").read_text())

@@ -365,6 +365,9 @@ def test_garbage_to_internal_models_fails_alone(triton_server):
         for hdr in bad:
             with pytest.raises(RuntimeError):
                 admin.model_op(triton_server.grpc_url, "slm", "run", hdr, request_id=hdr["rid"])
+        with pytest.raises(RuntimeError, match="non-empty string rid"):  # a header without its request id
+            admin.model_op(triton_server.grpc_url, "slm", "run", {"max_tokens": 4, "models": ["slm", "llm"]},
+                           request_id="g6")
         with pytest.raises(RuntimeError):  # token ids outside the vocabulary
             _run_with_tokens(triton_server, [10**9])
         v = victim.result()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import multiprocessing as mp
 import queue
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 __all__ = ["DirectCluster"]
 
@@ -136,8 +136,13 @@ class DirectRouter:
         """Free ``rid``'s KV on ``model`` (the request is finished or cancelled)."""
         self.cluster.release(model, rid)
 
-    def generate(self, prompt: str, sampling: Dict[str, Any], chat: bool = True, on_text=None) -> Dict[str, Any]:
-        """One request; returns the fields ``token_router`` would (text, counts, routing_summary)."""
+    def generate(self, prompt: str, sampling: Dict[str, Any], chat: bool = True, on_text=None,
+                 cancelled: Callable[[], bool] = lambda: False) -> Dict[str, Any]:
+        """One request; returns the fields ``token_router`` would (text, counts, routing_summary).
+
+        ``cancelled``: polled between the models' responses; True ends the request with
+        ``finish_reason`` ``cancelled`` and the tokens written so far (every model's KV released).
+        """
         import json
 
         from ..engine.detok import IncrementalDetokenizer
@@ -150,7 +155,7 @@ class DirectRouter:
         header = make_header(rid, sp, self.algorithm, self.params, self.models, self.stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer, sp.stop)
         r = drive(self, header, ids, self.algo_cls.first_model(self.params, rid=rid, sampling=header.sampling),
-                  detok, on_delta=on_text)
+                  detok, on_delta=on_text, cancelled=cancelled)
         tail = detok.flush()
         if tail and on_text:
             on_text(tail)

@@ -86,7 +86,7 @@ class PeerReq:
         """Inverse of :meth:`header_json` plus the token tensor.
 
         Raises:
-            ValueError: the header is not a JSON object of PeerReq fields.
+            ValueError: the header is not a JSON object of PeerReq fields, or has no ``rid``.
         """
         try:
             d = json.loads(header)
@@ -98,6 +98,8 @@ class PeerReq:
         unknown = set(d) - known
         if unknown:
             raise ValueError(f"unknown peer_req fields: {sorted(unknown)}")
+        if not isinstance(d.get("rid"), str) or not d["rid"]:
+            raise ValueError("peer_req needs a non-empty string rid")
         d["status"] = Status(d.get("status", "running"))
         return cls(tokens=list(tokens), **d)
 

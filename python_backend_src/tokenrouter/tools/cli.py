@@ -21,7 +21,7 @@ import numpy as np
 
 from . import GRPC_URL_HELP, default_grpc_url
 
-__all__ = ["grpc_input", "stream_generate", "main"]
+__all__ = ["grpc_input", "stream_generate", "RequestAborted", "main"]
 
 
 def grpc_input(name: str, array: np.ndarray, dtype: str):
@@ -45,9 +45,13 @@ def _inputs(grpcclient, prompt: str, sampling: Dict[str, Any], stream: bool, cha
     ]
 
 
+class RequestAborted(RuntimeError):
+    """A streamed request the client gave up on (:func:`stream_generate`'s ``abort``); it was cancelled."""
+
+
 def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bool = True,
                     trace: bool = False, model: str = "token_router", on_text=None,
-                    timeout_s: float = 600.0) -> Dict[str, Any]:
+                    timeout_s: float = 600.0, abort: Optional[threading.Event] = None) -> Dict[str, Any]:
     """Stream one request through gRPC and return the final fields.
 
     Args:
@@ -60,6 +64,8 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
             stream's thread, in order).
         timeout_s: seconds to wait for the next response (the request is cancelled
             on the server when none comes).
+        abort: when this event is set the request is cancelled on the server and
+            :class:`RequestAborted` is raised (checked every 0.1 s).
 
     Returns:
         dict with ``text``, ``finish_reason``, ``num_input_tokens``,
@@ -67,6 +73,7 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
 
     Raises:
         RuntimeError: the server answered with an error, or sent nothing for ``timeout_s``.
+        RequestAborted: ``abort`` was set before the final response.
     """
     import tritonclient.grpc as grpcclient
 
@@ -119,7 +126,10 @@ def stream_generate(url: str, prompt: str, sampling: Dict[str, Any], *, chat: bo
                 raise failure[0] from e
             raise
         last[0] = time.monotonic()
-        while not done.wait(min(1.0, max(0.0, last[0] + timeout_s - time.monotonic()))):
+        poll = 1.0 if abort is None else 0.1
+        while not done.wait(min(poll, max(0.0, last[0] + timeout_s - time.monotonic()))):
+            if abort is not None and abort.is_set():
+                raise RequestAborted(f"{model} request aborted by the client")
             if time.monotonic() - last[0] >= timeout_s:
                 raise RuntimeError(f"{model} sent nothing for {timeout_s:g} s")
         if failure:

@@ -125,8 +125,12 @@ _CLIENT_ERROR_HINTS = ("context length", "parameters.", "sampling_parameters", "
                        "has no threshold", "routing_threshold")
 
 
-def _backend_error(msg: str) -> OpenAIError:
-    """Map an error message from Triton / ``token_router`` to an :class:`OpenAIError`."""
+def _backend_error(msg: str, chat: bool = False) -> OpenAIError:
+    """Map an error message from Triton / ``token_router`` to an :class:`OpenAIError`.
+
+    ``chat``: the request was a chat completion, whose prompt field is ``messages``.
+    """
+    prompt_param = "messages" if chat else "prompt"
     low = msg.lower()
     if any(h in low for h in _CLIENT_ERROR_HINTS):
         m = re.search(r"parameters\.(\w+)", msg) or re.search(r"unknown keys[^\[]*\['(\w+)'", msg)
@@ -135,9 +139,9 @@ def _backend_error(msg: str) -> OpenAIError:
             # the request's field by its OpenAI name, not by token_router's input it travelled in
             msg = re.sub(r"\bsampling_parameters\.(?=\w)", "", msg)
         elif "context length" in low:
-            param = "max_tokens" if "max_tokens" in low else "prompt"
+            param = "max_tokens" if "max_tokens" in low else prompt_param
         else:
-            param = "prompt" if "text_input" in low else None
+            param = prompt_param if "text_input" in low else None
         return OpenAIError(400, msg, param=param)
     if "unknown model" in low or "not ready" in low or "unavailable" in low:
         return OpenAIError(503, msg, type="server_error", code="backend_unavailable")
@@ -683,7 +687,7 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
         except BackendError as e:
             watcher.cancel()
             await gen.aclose()
-            return _backend_error(str(e)).response()
+            return _backend_error(str(e), chat).response()
         except _ClientGone:
             await gen.aclose()
             return JSONResponse({}, status_code=499)
@@ -813,7 +817,7 @@ async def _sse(rid: str, created: int, served: str, first: GenerationOutput, gen
             try:
                 out = await _race(gen.__anext__(), watcher)
             except BackendError as e:
-                yield _sse_event(_backend_error(str(e)).body())
+                yield _sse_event(_backend_error(str(e), chat).body())
                 break
             except _ServerDraining:
                 yield _sse_event(_shutting_down().body())
