@@ -347,9 +347,12 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
         per-window values), ``throughput_tok_s_windows``; the same for requests/s (requests that
         completed inside a window): ``requests_per_s``, ``requests``; :func:`latency_stats` of the
         successful requests that started (or completed, see ``latencies``) in ``[t0, tW)``;
-        ``llm_share`` (share of the tokens streamed in ``[t0, tW)`` that ``llm`` wrote, over the
-        requests with a trace; from the routing summaries of the latency requests when no trace
-        came); ``handoffs_per_request`` and ``errors`` over the latency requests;
+        ``llm_share`` (with ``latencies="started"``: share of the tokens streamed in ``[t0, tW)``
+        that ``llm`` wrote, from the traces; otherwise, or when a trace is missing: of the output
+        tokens of the latency requests, from their routing summaries.  Not of the streamed tokens
+        with ``"completed"``: the requests cut at ``tW`` have no trace, and the requests in flight
+        at an instant are the long ones, those that visit the LLM most); ``handoffs_per_request``
+        and ``errors`` over the latency requests;
         ``requests_started``; ``output_tokens`` (streamed in the period); ``window_s``;
         ``busy_share`` ``{model: spread dict}`` when probes are given.
 
@@ -386,8 +389,6 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
         inside = [i for i, t in enumerate(r["token_t_s"]) if t0 <= t < tW]
         if inside:
             if len(r.get("token_model", [])) != len(r["token_t_s"]) or llm not in r.get("models", []):
-                if cancelled:
-                    continue  # cut off without a trace: its tokens count above, not in the share
                 have_trace = False
             else:
                 k = r["models"].index(llm)
@@ -402,7 +403,7 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
     else:
         measured = [r for r in started if not r.get("cancelled", False)]
     ok = [r for r in measured if not r["error"]]
-    if have_trace:
+    if have_trace and latencies == "started":
         llm_share = llm_tok / in_tok if in_tok else float("nan")
     else:
         toks = sum(r["output_tokens"] for r in ok)

@@ -65,7 +65,8 @@ def test_warmup_and_drain_excluded():
 
 def test_latencies_of_completed_requests_and_cancelled_ones_count_tokens_only():
     bounds = [100.0, 102.0, 104.0, 106.0]
-    warm = rec(90.0, [95.0, 99.0, 100.5], ttft=5.0, e2e=10.6)       # started before, completed inside
+    warm = {**rec(90.0, [95.0, 99.0, 100.5], ttft=5.0, e2e=10.6, token_model=[0, 0, 1]),
+            "tokens_by_model": {"slm": 2, "llm": 1}}                  # started before, completed inside
     inside = rec(101.0, [101.5, 103.0], ttft=0.5, e2e=3.0)           # started and completed inside
     late = rec(104.0, [104.5, 105.0, 107.0], ttft=0.5, e2e=4.0)      # started inside, completes after
     cut = {**rec(105.0, [105.5, 105.9, 106.2]), "cancelled": True, "token_model": [], "models": [],
@@ -80,8 +81,13 @@ def test_latencies_of_completed_requests_and_cancelled_ones_count_tokens_only():
     assert s["throughput_tok_s_windows"] == [1.0, 0.5, 2.0]
     # completions: warm (100.6) in w0, inside (104.0) in w2; the cancelled one is no completion
     assert s["requests_per_s_windows"] == [0.5, 0.0, 0.5]
-    # a cancelled request without a trace leaves the LLM share to the traced requests
-    assert s["llm_share"] == 0.0
+    # the LLM share of the completed requests' output (warm: 1 of 3, inside: 0 of 2), not of the
+    # streamed tokens: the requests cut at the end have no trace and are the long ones
+    assert s["llm_share"] == pytest.approx(1 / 5)
+    # the same with traces on every request: completed -> the finished outputs; started -> streamed tokens
+    late_llm = {**late, "token_model": [1, 1, 1], "tokens_by_model": {"llm": 3}}
+    assert window_summary([warm, inside, late_llm], bounds, latencies="completed")["llm_share"] == pytest.approx(1 / 5)
+    assert window_summary([warm, inside, late_llm], bounds)["llm_share"] == pytest.approx(3 / 5)
     # started in the period: inside, late, cut, failed
     assert s["requests_started"] == 4
     # the same records the drain way: latencies of the requests that started inside, never the cancelled one
