@@ -72,17 +72,17 @@ Scaled for a 2-core CPU by default (output lengths 16/48 tokens instead of the
 issue's 128/512, N up to 8, 12 s of measurement per cell); ``--full``
 restores 128/512, N = 1, 4, 8, 16, 32 and 120 s per cell for GPU hosts.
 
-Run time here (2 cores): a steady cell costs its warm-up (about one request's
-latency), ``--duration`` and, with ``--drain wait``, the drain (at most one request's
-latency; the figures below are for it);
-tokenrouter, eager-async, lock-step and std-serving requests of 48 tokens take
-about 5-15 s at N = 8-32 on the size-realistic pair, llm-only ones up to
-~30 s at N = 32.  So ``--pairs size-realistic --concurrency 8,32 --max-tokens
-48 --duration 60`` (13 Triton cells + 2 no-Triton cells) takes about
-6 × 70 s (N = 8) + 6 × 95 s (N = 32) + 3.5 min (no-Triton, with its start)
-+ 2.5 min (server start, DTMC solves) ≈ 23 min, and the
-default command (2 pairs × 3 N × 2 lengths × 7 modes = 84 cells of 12 s, mostly
-short requests: 84 × (12 + ~6) s + 3 min) about 28 min.
+Run time here (2 cores): a steady cell costs its warm-up (about one to two median
+request latencies), ``--duration`` and, with ``--drain wait``, the drain (up to the
+longest request's latency).  On the size-realistic pair, requests of 48 tokens take
+5-25 s at N = 8-32 in tokenrouter, eager-async and lock-step, llm-only ones 30-80 s,
+and std-serving's longest (many returns, each a re-prefill) over 2 min at N = 32.  So
+``--pairs size-realistic --concurrency 8,32 --max-tokens 48 --duration 60`` (10 Triton
+cells, 2 no-Triton cells, the calibration at start, DTMC solves) took 22-23 min on an Intel
+Xeon and a Zen 5 EPYC with the drain, 45 min on the slowest host (AMD EPYC Zen 3, float32)
+with the drain and 28.5 min there with the default ``--drain cancel``.  The default
+command (2 pairs × 3 N × 2 lengths × 7 modes = 84 cells of 12 s, mostly short requests)
+takes about 28 min.
 
     source deploy/env.sh && python perf/bench_matrix.py            # ~28 min on 2 cores
     python perf/bench_matrix.py --pairs size-realistic --concurrency 8,32 --max-tokens 48 --duration 60
