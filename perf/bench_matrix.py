@@ -80,7 +80,7 @@ and std-serving's longest (many returns, each a re-prefill) over 2 min at N = 32
 ``--pairs size-realistic --concurrency 8,32 --max-tokens 48 --duration 60`` (10 Triton
 cells, 2 no-Triton cells, the calibration at start, DTMC solves) took 22-23 min on an Intel
 Xeon and a Zen 5 EPYC with the drain, 45 min on the slowest host (AMD EPYC Zen 3, float32)
-with the drain and 28.5 min there with the default ``--drain cancel``.  The default
+with the drain and 27-28.5 min there with the default ``--drain cancel``.  The default
 command (2 pairs × 3 N × 2 lengths × 7 modes = 84 cells of 12 s, mostly short requests)
 takes about 28 min.
 
