@@ -99,7 +99,7 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
     probe = lambda: {m: admin.model_stats(url, m) for m in MODELS}  # noqa: E731
     eager = load.measure(args.duration, args.windows, probe=probe, since=load.t_started)
     lines = [x for m in MODELS for x in _read_slice(events[m], start[m])]
-    eager_s = window_summary(load.snapshot(), eager["bounds"], probes=eager["probes"])
+    eager_s = window_summary(load.snapshot(), eager["bounds"], probes=eager["probes"], latencies="completed")
     wait_us = wait_bound_us(_stats_delta(eager["probes"][0], eager["probes"][-1]), args.wait_factor)
     sol = b_star_from_events(lines, N, out_dir, calibration, wait_us)
     star = {m: int(sol["B_star"][m]) for m in MODELS}
@@ -112,7 +112,7 @@ def sweep_one_N(url: str, load: SteadyLoad, N: int, args, events: Dict[str, str]
     def run_at(B: Dict[str, int]) -> Dict[str, Any]:
         configure_mode(url, "tokenrouter", B, wait_us)
         mm = load.measure(args.duration, args.windows, probe=probe)
-        return window_summary(load.snapshot(), mm["bounds"], probes=mm["probes"])
+        return window_summary(load.snapshot(), mm["bounds"], probes=mm["probes"], latencies="completed")
 
     def point(B: Dict[str, int]) -> float:
         k = _key(B)

@@ -74,6 +74,8 @@ class RequestRecord:
         models: the deployment's model names (from the trace).
         cancelled: the client cancelled the request before it finished (the end of a
             measurement); ``token_t_s`` then holds the tokens streamed until then.
+        in_flight: a request still running when :meth:`SteadyLoad.snapshot` was taken;
+            ``token_t_s`` holds the tokens streamed until then.  Counted like a cancelled one.
     """
 
     ttft_s: float
@@ -88,6 +90,7 @@ class RequestRecord:
     token_model: List[int] = field(default_factory=list)
     models: List[str] = field(default_factory=list)
     cancelled: bool = False
+    in_flight: bool = False
 
 
 def percentile(xs: Sequence[float], q: float) -> float:
@@ -209,8 +212,8 @@ def _takes_abort(gen: Callable) -> bool:
 
 
 def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None, abort: Optional[threading.Event] = None,
-         tokens_per_chunk: int = 1) -> RequestRecord:
-    chunks: List[Tuple[float, str]] = []
+         tokens_per_chunk: int = 1, chunks: Optional[List[Tuple[float, str]]] = None) -> RequestRecord:
+    chunks = [] if chunks is None else chunks  # (arrival time, text); the caller may read it meanwhile
     t0 = time.perf_counter()
     kw = {} if abort is None else {"abort": abort}
     try:
@@ -323,6 +326,11 @@ def summarize(run: Dict, llm: str = "llm") -> Dict[str, float]:
     }
 
 
+def _cut(r: Dict) -> bool:
+    """A record that holds only the tokens a request streamed so far (cancelled or in flight)."""
+    return bool(r.get("cancelled", False) or r.get("in_flight", False))
+
+
 def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = "llm",
                    probes: Optional[Sequence[Dict[str, Dict[str, float]]]] = None,
                    latencies: str = "started") -> Dict[str, Any]:
@@ -338,8 +346,9 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
         latencies: which requests the latency percentiles describe: ``"started"`` (those that
             started in ``[t0, tW)``; needs the drain) or ``"completed"`` (those that finished in
             ``[t0, tW)``, perf_analyzer's convention; right where the requests in flight at ``tW``
-            were cancelled).  Requests the client cancelled (``cancelled``) count for their
-            streamed tokens only: never for latencies, completions, errors or handoffs.
+            were cancelled).  Requests the client cancelled (``cancelled``) and the snapshot of
+            requests still running (``in_flight``) count for their streamed tokens only: never
+            for latencies, completions, errors or handoffs.
 
     Returns:
         ``throughput_tok_s`` (mean over windows of output tokens whose arrival time lies in
@@ -375,7 +384,7 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
     for r in records:
         if r["error"]:
             continue
-        cancelled = r.get("cancelled", False)
+        cancelled = _cut(r)
         for t in r["token_t_s"]:
             for w in range(W):
                 if bounds[w] <= t < bounds[w + 1]:
@@ -399,9 +408,9 @@ def window_summary(records: Sequence[Dict], bounds: Sequence[float], llm: str = 
     rps = [n / L for n, L in zip(done, lens)]
     started = [r for r in records if t0 <= r["t_start_s"] < tW]
     if latencies == "completed":
-        measured = [r for r in records if t0 <= r["t_start_s"] + r["e2e_s"] < tW and not r.get("cancelled", False)]
+        measured = [r for r in records if t0 <= r["t_start_s"] + r["e2e_s"] < tW and not _cut(r)]
     else:
-        measured = [r for r in started if not r.get("cancelled", False)]
+        measured = [r for r in started if not _cut(r)]
     ok = [r for r in measured if not r["error"]]
     if have_trace and latencies == "started":
         llm_share = llm_tok / in_tok if in_tok else float("nan")
@@ -459,6 +468,7 @@ class SteadyLoad:
         self._next = 0
         self._last_start_done = [float("-inf")] * concurrency  # start time of each client's last finished request
         self._done_starts: List[float] = []  # start time of every finished request, in finishing order
+        self._in_flight: List[Optional[Tuple[float, List]]] = [None] * concurrency  # (sent, chunks) per client
         self.t_started = float("nan")  # perf_counter time of start()
 
     def start(self) -> "SteadyLoad":
@@ -472,12 +482,15 @@ class SteadyLoad:
 
     def _client(self, c: int) -> None:
         while not self._stop.is_set():
+            chunks: List[Tuple[float, str]] = []
             with self._cv:
                 i = self._next
                 self._next += 1
+                self._in_flight[c] = (time.perf_counter(), chunks)
             rec = _one(self._gen, self.prompts[i % len(self.prompts)], self.max_tokens, self.tokenizer,
-                       abort=self._abort, tokens_per_chunk=self.tokens_per_chunk)
+                       abort=self._abort, tokens_per_chunk=self.tokens_per_chunk, chunks=chunks)
             with self._cv:
+                self._in_flight[c] = None
                 self.records.append(rec)
                 self._last_start_done[c] = rec.t_start_s
                 self._done_starts.append(rec.t_start_s)
@@ -568,6 +581,16 @@ class SteadyLoad:
             return [asdict(r) for r in self.records]
 
     def snapshot(self) -> List[Dict]:
-        """Records finished so far, as dicts (the load keeps running)."""
+        """Records so far, as dicts, while the load keeps running: the finished requests, and for
+        each request in flight a record with ``in_flight`` set and the tokens it streamed so far
+        (``tokens_per_chunk`` per chunk with text), so that a window that ended while requests were
+        running counts every token streamed inside it."""
         with self._cv:
-            return [asdict(r) for r in self.records]
+            out = [asdict(r) for r in self.records]
+            running = [x for x in self._in_flight if x is not None]
+        for sent, chunks in running:
+            times = [t for t, _s in list(chunks) for _ in range(self.tokens_per_chunk)]
+            out.append(asdict(RequestRecord(chunks[0][0] - sent if chunks else float("nan"), [],
+                                            time.perf_counter() - sent, len(times), {}, 0, t_start_s=sent,
+                                            token_t_s=times, in_flight=True)))
+        return out

@@ -145,6 +145,30 @@ def test_steady_load_warms_up_after_2n_completions_and_cancels_in_flight_request
     assert not any(r["cancelled"] for r in plain.stop(timeout_s=10, cancel=True))
 
 
+def test_snapshot_counts_the_tokens_of_requests_still_running():
+    """A window read while the load runs (perf/dtmc_vs_server.py's points) counts the tokens that
+    requests still in flight streamed inside it; those requests give no latency or completion."""
+    import time as _t
+
+    gen = _fake_stream(lambda p: 30.0)  # every request outlives the test: no request finishes
+    load = SteadyLoad(gen, ["slow"], 2, 8).start()
+    try:
+        _t.sleep(0.3)
+        t0 = _t.perf_counter()
+        _t.sleep(1.0)
+        t1 = _t.perf_counter()
+        snap = load.snapshot()
+    finally:
+        load.stop(timeout_s=10, cancel=True)
+    assert len(snap) == 2 and all(r["in_flight"] and not r["cancelled"] for r in snap)
+    for r in snap:
+        assert r["output_tokens"] == len(r["token_t_s"]) > 10 and r["t_start_s"] < min(r["token_t_s"])
+    s = window_summary(snap, [t0, t1], latencies="completed")
+    inside = sum(1 for r in snap for t in r["token_t_s"] if t0 <= t < t1)
+    assert s["output_tokens"] == inside > 20  # one second of 20 ms steps from each client
+    assert s["requests_per_s"] == 0 and s["errors"] == 0 and math.isnan(s["ttft_p50_s"])
+
+
 def test_llm_share_of_tokens_streamed_in_the_period_and_handoffs():
     bounds = [0.0, 1.0, 2.0]
     a = rec(-0.5, [-0.1, 0.2, 0.4, 0.6], token_model=[1, 1, 0, 0], handoffs=1)  # 1 of its 3 in-period tokens by llm
