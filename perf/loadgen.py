@@ -211,6 +211,16 @@ def _takes_abort(gen: Callable) -> bool:
         return False
 
 
+def _partial_record(chunks: List[Tuple[float, str]], t0: float, t1: float, tokens_per_chunk: int,
+                    **flag: bool) -> RequestRecord:
+    """The record of a request cut short (``cancelled``) or still running (``in_flight``): its
+    chunks so far, ``tokens_per_chunk`` tokens each at the chunk's arrival; sent at ``t0``, read at
+    ``t1`` (perf_counter s)."""
+    times = [t for t, _s in list(chunks) for _ in range(tokens_per_chunk)]
+    return RequestRecord(chunks[0][0] - t0 if chunks else float("nan"), [], t1 - t0, len(times), {}, 0,
+                         t_start_s=t0, token_t_s=times, **flag)
+
+
 def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None, abort: Optional[threading.Event] = None,
          tokens_per_chunk: int = 1, chunks: Optional[List[Tuple[float, str]]] = None) -> RequestRecord:
     chunks = [] if chunks is None else chunks  # (arrival time, text); the caller may read it meanwhile
@@ -222,9 +232,7 @@ def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None, abort: Opt
     except Exception as e:  # noqa: BLE001
         t1 = time.perf_counter()
         if abort is not None and abort.is_set():  # cancelled at the end of a measurement: keep its tokens
-            times = [t for t, _s in list(chunks) for _ in range(tokens_per_chunk)]
-            return RequestRecord(chunks[0][0] - t0 if chunks else float("nan"), [], t1 - t0, len(times), {}, 0,
-                                 t_start_s=t0, token_t_s=times, cancelled=True)
+            return _partial_record(chunks, t0, t1, tokens_per_chunk, cancelled=True)
         return RequestRecord(float("nan"), [], t1 - t0, 0, {}, 0, error=str(e) or repr(e), t_start_s=t0)
     t1 = time.perf_counter()
     s = out.get("routing_summary", {})
@@ -588,9 +596,7 @@ class SteadyLoad:
         with self._cv:
             out = [asdict(r) for r in self.records]
             running = [x for x in self._in_flight if x is not None]
-        for sent, chunks in running:
-            times = [t for t, _s in list(chunks) for _ in range(self.tokens_per_chunk)]
-            out.append(asdict(RequestRecord(chunks[0][0] - sent if chunks else float("nan"), [],
-                                            time.perf_counter() - sent, len(times), {}, 0, t_start_s=sent,
-                                            token_t_s=times, in_flight=True)))
+        now = time.perf_counter()
+        out += [asdict(_partial_record(chunks, sent, now, self.tokens_per_chunk, in_flight=True))
+                for sent, chunks in running]
         return out
