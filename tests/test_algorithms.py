@@ -56,6 +56,7 @@ def server(tmp_path_factory):
     # CITER on a pair whose model 0 does not capture hidden states -> per-request error
     routers["token_router_citer_nohidden"] = ("llm,slm", "citer", {})
     routers["token_router_colm_compose"] = ("slm,llm", "colm", {"compose": True})
+    routers["token_router_random"] = ("slm,llm", "random", {"p": 0.3, "seed": 5})
     for name, (models, algo, params, _) in BAD_ROUTERS.items():
         routers[name] = (models, algo, params)
     repo = algorithm_repository.write(str(tmp / "repo"), routers=routers, kv_pool_tokens=4096,
@@ -252,6 +253,75 @@ def test_me_rule_and_shares(server):
     assert again["routing_trace"]["trace"] == trace[:32]
 
 
+def test_random_rule_and_share(server):
+    """Random routing through the server: the model of every next token is the LLM exactly when the
+    recorded uniform draw is below p (token kept at every handoff); the LLM share is within 4
+    binomial standard deviations of p; the same seed routes the same way, and ``routing_threshold``
+    sets p per request (0: the SLM writes every token)."""
+    n = 200
+    out = gen(server, "token_router_random", PROMPTS[2], greedy(n, seed=3))
+    tr = check_trace_consistency(out)
+    p = out["routing_summary"]["params"]["p"]
+    assert tr["models"] == ["slm", "llm"] and p == 0.3
+    trace, scores = tr["trace"], tr["scores"]
+    for pos in range(len(trace) - 1):
+        assert 0.0 <= scores[pos] < 1.0 and trace[pos + 1] == int(scores[pos] < p), (pos, scores[pos])
+    assert tr["handoffs"] and all(h["committed"] for h in tr["handoffs"])
+    share = trace.count(1) / n
+    assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / n), share
+    again = gen(server, "token_router_random", PROMPTS[2], greedy(32, seed=3))
+    assert again["routing_trace"]["trace"] == trace[:32]
+    other = gen(server, "token_router_random", PROMPTS[2], greedy(32, seed=4))
+    assert other["routing_trace"]["trace"] != trace[:32]
+    none = gen(server, "token_router_random", PROMPTS[2], greedy(32, seed=3, routing_threshold=0.0))
+    assert none["routing_trace"]["trace"] == [0] * 32 and none["routing_summary"]["handoffs"] == 0
+
+
+def test_random_rule_units():
+    """The random rule without a server: per-token draws, shares, handoff rate 2p(1-p),
+    reproducibility by sampling seed / request id / seed parameter, and parameter checks."""
+    from types import SimpleNamespace
+
+    from tokenrouter.algorithms import get_algorithm
+    from tokenrouter.algorithms.base import request_uniform
+    from tokenrouter.routing.protocol import StepResult
+
+    cls = get_algorithm("random")
+    assert cls.validate_params({}, 2) == {"p": 0.1, "seed": 0}
+    with pytest.raises(ValueError, match=r"'p'=1.5 outside"):
+        cls.validate_params({"p": 1.5}, 2)
+    with pytest.raises(ValueError, match="between 2 and 2"):
+        cls.validate_params({}, 3)
+
+    def run(params, n, rid="r1", sampling=None):
+        """The models that write tokens 0..n-1 of one request, following route() like the subserver."""
+        params = cls.validate_params(params, 2)
+        inst = {m: cls(m, 2, params) for m in (0, 1)}
+        state = SimpleNamespace(header=SimpleNamespace(sampling=sampling or {}))
+        cur, out = cls.first_model(params, rid=rid, sampling=sampling), []
+        for t in range(n):
+            out.append(cur)
+            k = inst[cur].route(StepResult(rid=rid, model_index=cur, token_id=1, norm_entropy=0.5, prob=0.5,
+                                           step=t, state=state))
+            if k:
+                cur = inst[cur].peer_model(k)
+        return out
+
+    n, p = 4000, 0.25
+    trace = run({"p": p}, n, sampling={"seed": 9})
+    # each token's model is its own hashed draw against p (the key is the sampling seed)
+    assert trace == [int(request_uniform("random:0", "seed:9", t) < p) for t in range(n)]
+    sd = math.sqrt(p * (1 - p) / n)
+    assert abs(trace.count(1) / n - p) <= 4 * sd
+    switches = sum(a != b for a, b in zip(trace, trace[1:]))
+    q = 2 * p * (1 - p)
+    assert abs(switches / (n - 1) - q) <= 4 * math.sqrt(q * (1 - q) / (n - 1)) + 1e-9
+    assert run({"p": p}, 64, rid="a", sampling={"seed": 9}) == run({"p": p}, 64, rid="b", sampling={"seed": 9})
+    assert run({"p": p}, 64, rid="a") != run({"p": p}, 64, rid="b")  # no seed: the request id
+    assert run({"p": p, "seed": 1}, 64, rid="a") != run({"p": p}, 64, rid="a")
+    assert run({"p": 0.0}, 50) == [0] * 50 and run({"p": 1.0}, 50) == [1] * 50
+
+
 def test_learned_scores_match_offline_router(server):
     """The scores in the trace are the shipped routers applied to the SLM's last hidden state
     (SGLang hidden capture == transformers' final-norm hidden state), recomputed offline."""
@@ -344,7 +414,7 @@ def test_parameter_validation_units():
     """Algorithm-level validation without a server (defaults, bounds, kinds)."""
     from tokenrouter.algorithms import ALGORITHMS, get_algorithm
 
-    assert {"citer", "r2r", "rstitch", "colm", "me"} <= set(ALGORITHMS)
+    assert {"citer", "r2r", "rstitch", "colm", "me", "random"} <= set(ALGORITHMS)
     with pytest.raises(ValueError, match="unknown routing algorithm"):
         get_algorithm("bogus")
     citer = get_algorithm("citer")

@@ -1,7 +1,9 @@
 """Routing algorithms as route/send/receive plugins, selected by name.
 
 ``citer`` (CITER), ``r2r`` (R2R), ``rstitch`` (R-Stitch), ``colm`` (Co-LLM),
-``me`` (ME, M >= 2 models) and ``none`` (baseline: one model writes all).
+``me`` (ME, M >= 2 models), ``random`` (each token to the LLM with probability p: the
+control a router must beat), ``speculative`` (speculative decoding: the SLM drafts,
+the LLM verifies) and ``none`` (baseline: one model writes all).
 See docs/algorithms/ for the rules, parameters and router training.
 """
 
@@ -15,10 +17,12 @@ from .citer import CITER
 from .colm import CoLLM
 from .me import ME
 from .r2r import R2R
+from .random_routing import RandomRouting
 from .rstitch import NoRouting, RStitch
+from .speculative import Speculative
 
 ALGORITHMS: Dict[str, Type[RoutingAlgorithm]] = {
-    cls.name: cls for cls in (CITER, R2R, RStitch, CoLLM, ME, NoRouting)}
+    cls.name: cls for cls in (CITER, R2R, RStitch, CoLLM, ME, RandomRouting, Speculative, NoRouting)}
 
 
 def get_algorithm(name: str) -> Type[RoutingAlgorithm]:
