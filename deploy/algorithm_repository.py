@@ -25,12 +25,9 @@ import argparse
 import json
 import os
 import shutil
-import sys
 from typing import Dict, Mapping, Optional
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if os.path.join(REPO_ROOT, "python_backend_src") not in sys.path:
-    sys.path.insert(0, os.path.join(REPO_ROOT, "python_backend_src"))
 SRC_REPO = os.path.join(REPO_ROOT, "model_repository")
 
 #: router model name -> (models, algorithm, algorithm_params)

@@ -18,7 +18,8 @@
 # Exports: VIRTUAL_ENV PATH TOKENROUTER_ROOT TOKENROUTER_SRC TOKENROUTER_CACHE
 # TOKENROUTER_WEIGHTS TOKENROUTER_VENV TOKENROUTER_PY_VERSION TOKENROUTER_TOOLS_LIB
 # TOKENROUTER_TRITON_PYTHON_BACKEND LD_LIBRARY_PATH TRITONSERVER TRITON_BACKEND_DIR
-# PYTHONPATH HF_HUB_OFFLINE (default 1) and SGLANG_USE_CPU_ENGINE=1 when no GPU.
+# HF_HUB_OFFLINE (default 1) and SGLANG_USE_CPU_ENGINE=1 when no GPU. It points the venv's
+# tokenrouter and scheduler_model at this checkout (site-packages/tokenrouter-checkout.pth).
 #
 # It never turns on set -e/-u in the calling shell and works under them.
 
@@ -64,6 +65,21 @@ _tr_tools_lib() {
         fi
         ln -sfn "$f" "$tools/$soname" || return 1
     done
+}
+
+# Make this checkout's packages (tokenrouter, scheduler_model; see pyproject.toml) the
+# venv's, as an editable install does: a .pth file in site-packages naming their folders.
+# Python reads it at start-up, also in the isolated interpreter of a Triton stub (which
+# ignores PYTHONPATH). The venv is shared by every checkout with the same requirements, so
+# the file is rewritten (atomically) whenever another checkout was the last to source this.
+_tr_link_checkout() {
+    local sp=$1 root=$2 pth="$1/tokenrouter-checkout.pth" want
+    want=$(printf '%s\n' "$root/python_backend_src" "$root")
+    [[ -f "$pth" && "$(<"$pth")" == "$want" ]] && return 0
+    printf '%s\n' "$want" >"$pth.$$.tmp" && mv -f "$pth.$$.tmp" "$pth" || {
+        _tr_err "cannot write $pth"
+        return 1
+    }
 }
 
 _tr_build_venv() {
@@ -167,7 +183,7 @@ print(sys.version.replace("\n", " "), sys.base_prefix, sysconfig.get_platform())
     unset PYTHONHOME
     _tr_prepend_path PATH "$venv/bin"
     _tr_prepend_path LD_LIBRARY_PATH "$libdir" "$libs" "$tools"
-    _tr_prepend_path PYTHONPATH "$TOKENROUTER_SRC" "$TOKENROUTER_ROOT"
+    _tr_link_checkout "$sp" "$root" || return 1
 
     # tritonserver: an explicit $TRITONSERVER, else one on PATH (NGC container),
     # else the binary inside the nvidia-pytriton wheel.
@@ -206,7 +222,7 @@ print(sys.version.replace("\n", " "), sys.base_prefix, sysconfig.get_platform())
 
 _tr_rc=0
 _tr_env_main || _tr_rc=$?
-unset -f _tr_env_main _tr_build_venv _tr_tools_lib _tr_prepend_path _tr_say _tr_err
+unset -f _tr_env_main _tr_build_venv _tr_link_checkout _tr_tools_lib _tr_prepend_path _tr_say _tr_err
 if [[ $_tr_rc -ne 0 ]]; then
     unset _tr_rc
     return 1

@@ -87,9 +87,6 @@ def cpu_compat() -> None:
     does not exist") unless the op schemas are declared first, which the project's
     tokenrouter.engine.sglang_cpu_compat does (a no-op where CUDA is present).
     """
-    src = str(Path(__file__).resolve().parent.parent / "python_backend_src")
-    if src not in sys.path:
-        sys.path.insert(0, src)
     from tokenrouter.engine.sglang_cpu_compat import install
 
     install()

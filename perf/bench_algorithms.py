@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
+import importlib.util
 import json
 import os
 import sys
@@ -31,12 +32,12 @@ from pathlib import Path
 
 import requests
 
+from tritonserver import TritonServer
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "deploy")]
-
-from tritonserver import TritonServer  # noqa: E402
-
-import algorithm_repository  # noqa: E402
+_spec = importlib.util.spec_from_file_location("algorithm_repository", ROOT / "deploy" / "algorithm_repository.py")
+algorithm_repository = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(algorithm_repository)
 
 ALGOS = {"none (SLM only)": "token_router_none", "citer": "token_router_citer", "r2r": "token_router_r2r",
          "rstitch": "token_router", "colm": "token_router_colm", "me": "token_router_me"}

@@ -107,9 +107,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"), ROOT, HERE):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 try:  # the scripts of perf/ that start a server all import this module
     import google.protobuf  # noqa: F401  (the model configs)
     import tritonclient  # noqa: F401

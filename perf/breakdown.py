@@ -26,9 +26,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"), ROOT, HERE):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 from bench_matrix import MODELS, RESET, _prompts  # noqa: E402
 from loadgen import percentile  # noqa: E402

@@ -48,9 +48,6 @@ from typing import Any, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"), ROOT, HERE):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 from bench_matrix import ratio_interval  # noqa: E402
 from loadgen import run_load, spread  # noqa: E402

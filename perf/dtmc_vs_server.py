@@ -57,9 +57,6 @@ from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-for p in (os.path.join(ROOT, "python_backend_src"), os.path.join(ROOT, "tests"), ROOT, HERE):
-    if p not in sys.path:
-        sys.path.insert(0, p)
 
 from bench_matrix import (MODELS, RESET, _events_size, _prompts, _read_slice, _stats_delta, _wait_idle,  # noqa: E402
                           b_star_from_events, calibrate_server, configure_mode, ratio_interval,

@@ -31,7 +31,6 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python_backend_src"))
 
 
 def main(argv=None) -> int:

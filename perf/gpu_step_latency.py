@@ -225,7 +225,6 @@ def measure(name: str, shape: Shape, batches: List[int], context: int, prefills:
 def check() -> int:
     """The decoder's logits against transformers' LlamaForCausalLM (CPU, float32, tiny shape)."""
     try:  # the project's CPU venv needs its torchvision shim before transformers is imported
-        sys.path.insert(0, __file__.rsplit("/perf/", 1)[0] + "/python_backend_src")
         from tokenrouter.engine.sglang_cpu_compat import install
 
         install()

@@ -25,9 +25,7 @@ import time
 
 import requests
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python_backend_src"))
-
-from tokenrouter.tools import admin  # noqa: E402
+from tokenrouter.tools import admin
 
 #: about 14 tokens of the SmolLM2 tokenizer
 SENTENCE = "Tell me about the history of the printing press, year by year. "

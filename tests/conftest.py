@@ -7,13 +7,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from tritonserver import TritonServer  # perf/tritonserver.py (pytest.ini's pythonpath)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-for p in (REPO_ROOT / "python_backend_src", REPO_ROOT, Path(__file__).resolve().parent):
-    if str(p) not in sys.path:
-        sys.path.insert(0, str(p))
-
-from tritonserver import TritonServer  # noqa: E402  (tests/tritonserver.py)
 
 # The venv holds PyPI's torchvision (a CUDA build sglang imports) beside the CPU
 # torch; without this, `import transformers` fails in host-side tests with

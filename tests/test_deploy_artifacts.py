@@ -26,11 +26,10 @@ import sys
 import pytest
 import yaml
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python_backend_src"))
+from tokenrouter.tools import deployment
+from tokenrouter.tools.repository import read_config
 
-from tokenrouter.tools import deployment  # noqa: E402
-from tokenrouter.tools.repository import read_config  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 DOCKER = os.path.join(ROOT, "deploy", "docker")
 K8S = os.path.join(ROOT, "deploy", "k8s")

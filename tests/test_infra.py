@@ -29,8 +29,10 @@ def test_env_exports(repo_root):
     assert Path(os.environ["TOKENROUTER_SRC"]) == repo_root / "python_backend_src"
     assert os.environ["PATH"].split(":")[0] == os.path.join(os.environ["VIRTUAL_ENV"], "bin")
     assert Path(sys.prefix) == Path(os.environ["VIRTUAL_ENV"]), "pytest is not the venv's python"
-    pythonpath = os.environ["PYTHONPATH"].split(":")
-    assert str(repo_root / "python_backend_src") in pythonpath and str(repo_root) in pythonpath
+    import scheduler_model
+    import tokenrouter
+    assert Path(tokenrouter.__file__).parent == repo_root / "python_backend_src" / "tokenrouter"
+    assert Path(scheduler_model.__file__).parent == repo_root / "scheduler_model"
     ld = os.environ["LD_LIBRARY_PATH"].split(":")
     import sysconfig
     assert ld[0] == sysconfig.get_config_var("LIBDIR"), "python LIBDIR must come first"
@@ -142,10 +144,10 @@ ECHO_MODEL = textwrap.dedent('''
     locale.setlocale(locale.LC_ALL, "C.UTF-8")  # the stub runs in the C locale
 
     import json, os, sys
-    if os.environ.get("TOKENROUTER_SRC") not in sys.path:
-        sys.path.insert(0, os.environ["TOKENROUTER_SRC"])  # the stub ignores PYTHONPATH
 
     import numpy as np
+    import scheduler_model
+    import tokenrouter  # the stub ignores PYTHONPATH: both come from the venv (deploy/env.sh)
     import torch
     import triton_python_backend_utils as pb_utils
 
@@ -155,7 +157,7 @@ ECHO_MODEL = textwrap.dedent('''
             self.info = json.dumps({
                 "prefix": sys.prefix, "isolated": sys.flags.isolated,
                 "torch": torch.__version__, "sum": float(torch.arange(4.0).sum()),
-                "src_on_path": os.environ["TOKENROUTER_SRC"] in sys.path,
+                "tokenrouter": tokenrouter.__file__, "scheduler_model": scheduler_model.__file__,
             })
 
         def execute(self, requests):
@@ -214,4 +216,7 @@ def test_triton_echo_chain(tmp_path):
     assert texts[:3] == ["hello", "triton", "world"]
     info = json.loads(texts[3])
     assert Path(info["prefix"]) == Path(os.environ["VIRTUAL_ENV"])
-    assert info["sum"] == 6.0 and info["src_on_path"]
+    assert info["sum"] == 6.0
+    root = Path(os.environ["TOKENROUTER_ROOT"])
+    assert Path(info["tokenrouter"]) == root / "python_backend_src" / "tokenrouter" / "__init__.py"
+    assert Path(info["scheduler_model"]) == root / "scheduler_model" / "__init__.py"

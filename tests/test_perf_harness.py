@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "perf"))
-
-from loadgen import (SteadyLoad, latency_stats, load_tokenizer, percentile, spread,  # noqa: E402
+from loadgen import (SteadyLoad, latency_stats, load_tokenizer, percentile, spread,  # perf/ (pytest.ini)
                      token_arrival_times, window_summary)
 
 T975 = {2: 4.302652729911275, 3: 3.182446305284263}  # Student's t, 0.975 quantile, by degrees of freedom

@@ -1,10 +1,6 @@
 """CLI, PROFILE.json, event-log conversion and the Triton config writer."""
 
 import json
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import pytest

@@ -1,9 +1,5 @@
 """Exact DTMC of delayed batching: closed forms, feasibility, chain pathologies, solver."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import pytest

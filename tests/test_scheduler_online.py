@@ -1,9 +1,5 @@
 """Online adaptation: sliding-window re-estimation and B* with hysteresis."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import pytest

@@ -1,10 +1,6 @@
 """B* search over the feasible set: enumeration, exact search, CRN racing against the exact chain."""
 
 import math
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import pytest

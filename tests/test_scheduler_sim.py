@@ -1,9 +1,5 @@
 """Discrete-event simulator against the exact DTMC, and non-geometric run lengths."""
 
-import os
-import sys
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import pytest

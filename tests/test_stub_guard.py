@@ -2,7 +2,7 @@
 
 Real processes, no Triton: a "server" process forks a "stub" that advertises itself, then
 the server exits and the stub is re-parented, as a Triton stub is when tritonserver is
-killed.  Before ``stub_guard.server_pid`` the stub looked for its advert under its new
+killed.  Before ``tokenrouter.proc.server_pid`` the stub looked for its advert under its new
 parent's pid and left the file behind.
 """
 
@@ -22,11 +22,10 @@ def test_advert_removed_after_the_server_died(tmp_path):
     result = tmp_path / "result.txt"
     script = textwrap.dedent(f"""
         import os, sys, tempfile, time
-        sys.path.insert(0, {SRC!r})
         tempfile.tempdir = {str(tmp_path)!r}
+        from tokenrouter import proc
         from tokenrouter.engine import lockstep
         from tokenrouter.routing import peer_channel
-        from tokenrouter.triton import stub_guard
 
         r, w = os.pipe()
         if os.fork():  # the "server": exits once its stub has advertised
@@ -43,7 +42,7 @@ def test_advert_removed_after_the_server_died(tmp_path):
                 break
             time.sleep(0.01)
         lines = [f"reparented {{os.getppid() != server}}",
-                 f"server_pid {{stub_guard.server_pid() == server}}",
+                 f"server_pid {{proc.server_pid() == server}}",
                  f"same_path {{peer_channel.advert_path('llm') == path}}",
                  f"same_ring {{lockstep.default_ring_path('g') == ring}}"]
         peer_channel.remove_advert("llm")
@@ -66,7 +65,8 @@ def test_advert_removed_after_the_server_died(tmp_path):
 
 def test_stub_parent_pid_from_the_command_line():
     """A Triton stub takes its server's pid from argv[5], whatever its parent is now."""
-    from tokenrouter.triton.stub_guard import shm_region_path, stub_model, stub_parent_pid
+    from tokenrouter.proc import stub_parent_pid
+    from tokenrouter.triton.stub_guard import shm_region_path, stub_model
 
     argv = [b"/x/triton_python_backend_stub", b"/m/model.py", b"region_1", b"1048576", b"1048576", b"4242",
             b"/x", b"336", b"llm_0_0", b"/x/tokenrouter"]
@@ -105,7 +105,6 @@ def _start_fake_stub(tmp_path, body: str, grace_s: float, reap: bool = True):
     model = tmp_path / "model.py"
     model.write_text(textwrap.dedent(f"""
         import ctypes, os, sys
-        sys.path.insert(0, {SRC!r})
         from tokenrouter.triton import stub_guard
         reaper = stub_guard.start_reaper(grace_s={grace_s!r})
         with open({str(ready)!r} + ".tmp", "w") as f:
@@ -120,7 +119,9 @@ def _start_fake_stub(tmp_path, body: str, grace_s: float, reap: bool = True):
             stub.wait()  # reaps its stub, as tritonserver does when the instance unloads
         time.sleep(600)
     """)
-    server = subprocess.Popen([sys.executable, "-c", server_script], env={**os.environ, "TMPDIR": str(tmp_path)})
+    # the fake stub is the base interpreter (not the venv's): it finds the package through PYTHONPATH
+    server = subprocess.Popen([sys.executable, "-c", server_script],
+                              env={**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": SRC})
     deadline = time.monotonic() + 30
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)

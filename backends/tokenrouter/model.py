@@ -12,8 +12,6 @@ model.py does for its engine.
 """
 
 import json
-import os
-import sys
 
 
 def _setup():
@@ -25,15 +23,8 @@ def _setup():
             break
         except locale.Error:
             pass
-    # the stub ignores PYTHONPATH: find the library next to this backend (or via TOKENROUTER_SRC)
-    src = os.environ.get("TOKENROUTER_SRC") or os.path.join(
-        os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__)))), "python_backend_src")
-    if src not in sys.path:
-        sys.path.insert(0, src)
-    # scheduler_model (the B* solver the router's online adaptation uses) sits next to it
-    root = os.environ.get("TOKENROUTER_ROOT") or os.path.dirname(src)
-    if os.path.isdir(os.path.join(root, "scheduler_model")) and root not in sys.path:
-        sys.path.append(root)
+    # tokenrouter and scheduler_model are installed in the stub's venv (pyproject.toml;
+    # deploy/env.sh points the venv at this checkout)
     from tokenrouter.engine import sglang_cpu_compat
     from tokenrouter.triton import stub_guard
 

@@ -18,7 +18,7 @@ import struct
 import tempfile
 import time
 
-from ..triton.stub_guard import server_pid
+from ..proc import server_pid
 
 __all__ = ["TurnRing", "default_ring_path"]
 

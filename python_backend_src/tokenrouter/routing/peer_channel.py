@@ -55,7 +55,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import numpy as np
 import zmq
 
-from ..triton.stub_guard import server_pid as stub_server_pid
+from ..proc import process_alive, process_start_time
+from ..proc import server_pid as stub_server_pid
 from .curve import HandshakeLog, is_tcp
 from .replicas import Link, Replicas
 from .segments import DownMarks, PeerChannelError, PeerDownError, Segments
@@ -63,34 +64,7 @@ from .segments import DownMarks, PeerChannelError, PeerDownError, Segments
 logger = logging.getLogger(__name__)
 
 __all__ = ["PeerServer", "PeerClient", "PeerChannelError", "PeerDownError", "default_endpoint",
-           "process_start_time", "process_alive", "advert_path", "write_advert", "read_advert",
-           "parse_remote_models"]
-
-
-def process_start_time(pid: int) -> Optional[int]:
-    """Start time of process ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22),
-    or None when there is no such process or it is a zombie (exited, not yet reaped).
-
-    Together with the pid it identifies one process (a pid can be reused).
-    """
-    try:
-        with open(f"/proc/{int(pid)}/stat", "rb") as f:
-            stat = f.read()
-    except (OSError, ValueError):
-        return None
-    fields = stat[stat.rfind(b")") + 2:].split()
-    if not fields or fields[0] in (b"Z", b"X"):
-        return None
-    try:
-        return int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-def process_alive(pid: int, start_time: Optional[int]) -> bool:
-    """True while process ``pid`` (started at ``start_time``, see :func:`process_start_time`) runs."""
-    now = process_start_time(pid)
-    return now is not None and (start_time is None or now == start_time)
+           "advert_path", "write_advert", "read_advert", "parse_remote_models"]
 
 
 def default_endpoint(role: str) -> str:
@@ -107,7 +81,7 @@ def advert_path(model: str, server_pid: Optional[int] = None, kind: str = "peer"
     """Path of the file in which ``model`` advertises its endpoint and process.
 
     One per model and tritonserver process (``server_pid``, default the
-    tritonserver of this Triton stub, :func:`tokenrouter.triton.stub_guard.server_pid`, still
+    tritonserver of this Triton stub, :func:`tokenrouter.proc.server_pid`, still
     right after that server died), in the temporary directory; ``kind`` is ``peer`` (an
     LLM model, read by the router) or ``router`` (a router, watched by the models).
     """

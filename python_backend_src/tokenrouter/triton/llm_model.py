@@ -75,7 +75,8 @@ from ..engine.lockstep import TurnRing, default_ring_path
 from ..engine.sglang_engine import EngineConfig, SGLangEngine
 from ..engine.subserver import FINAL_KINDS, Subserver, SubserverConfig
 from ..routing.curve import CurveServer
-from ..routing.peer_channel import PeerServer, dead_routers, process_start_time, remove_advert, write_advert
+from ..proc import process_start_time, server_pid
+from ..routing.peer_channel import PeerServer, dead_routers, remove_advert, write_advert
 from ..routing.protocol import PeerReq
 from . import model_control
 from .common import llm_settings, model_parameters, param
@@ -492,9 +493,7 @@ class TritonPythonModel:
         import glob
         import tempfile
 
-        from . import stub_guard
-
-        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{stub_guard.server_pid()}-*.json.lock")):
+        for lock in glob.glob(os.path.join(tempfile.gettempdir(), f"tokenrouter-{server_pid()}-*.json.lock")):
             try:
                 os.unlink(lock)
             except OSError:

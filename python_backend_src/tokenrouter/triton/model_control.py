@@ -27,7 +27,7 @@ import urllib.parse
 import urllib.request
 from typing import List, Optional
 
-from .stub_guard import server_pid
+from ..proc import server_pid
 
 __all__ = ["ModelControlError", "server_http_url", "load", "unload", "is_ready", "reload"]
 

@@ -71,7 +71,7 @@ from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 
-from ..routing.peer_channel import process_alive, process_start_time
+from ..proc import process_alive, process_start_time
 from ..routing.segments import DownMarks, PeerChannelError, PeerDownError, Segments
 
 logger = logging.getLogger(__name__)

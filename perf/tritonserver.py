@@ -1,7 +1,8 @@
-"""Run a real Triton Inference Server for tests: ``TritonServer`` context manager.
+"""Run a real Triton Inference Server for benchmarks and tests: ``TritonServer`` context manager.
 
 Needs the environment of ``deploy/env.sh`` (``TRITONSERVER``, ``TRITON_BACKEND_DIR``,
-``LD_LIBRARY_PATH``, the venv first on ``PATH``); ``tests/run`` provides it.
+``LD_LIBRARY_PATH``, the venv first on ``PATH``); ``tests/run`` provides it.  The scripts of
+perf/ import it as a sibling; the tests through pytest.ini's ``pythonpath``.
 
     with TritonServer(model_repository="model_repository") as server:
         client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
