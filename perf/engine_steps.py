@@ -7,7 +7,7 @@ pass runs first, so the timed pass sees warm kernels.
 
 ``--sglang-decode`` swaps the batched CPU decode attention back to SGLang's own
 per-request loop (``TorchNativeAttnBackend._run_sdpa_forward_decode``), the
-comparison quoted in the README ("CPU batched attention").  Resume steps run as
+comparison in docs/performance.md ("Engine step times").  Resume steps run as
 extend forwards and keep the batched extend attention either way.
 
     source deploy/env.sh

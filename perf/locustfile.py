@@ -6,7 +6,7 @@ custom Locust entries per request: ``TTFT`` (ms to the first text chunk),
 response length is the number of output tokens, so Locust's table shows
 tokens/request).  Decode throughput in tokens/s is printed at the end.
 
-Headless run (see README)::
+Headless run (see docs/performance.md, "Running the benchmarks")::
 
     locust -f perf/locustfile.py --headless -u 8 -r 8 -t 60s --host http://localhost:8000
 
