@@ -284,7 +284,7 @@ def test_random_rule_units():
 
     from tokenrouter.algorithms import get_algorithm
     from tokenrouter.algorithms.base import request_uniform
-    from tokenrouter.routing.protocol import StepResult
+    from tokenrouter.protocol import StepResult
 
     cls = get_algorithm("random")
     assert cls.validate_params({}, 2) == {"p": 0.1, "seed": 0}

@@ -17,7 +17,7 @@ import zmq
 
 from tokenrouter.routing.curve import CurveClient, CurveServer, make_keys
 from tokenrouter.routing.peer_channel import PeerClient, PeerDownError, PeerServer, parse_remote_models
-from tokenrouter.routing.protocol import PeerReq
+from tokenrouter.protocol import PeerReq
 
 
 class _EchoSubserver:

@@ -4,7 +4,7 @@ Paper §Design, "Interface (request-centric)".  An algorithm is one class; an
 instance lives in each model's subserver (``model_index`` tells which model it
 serves among ``num_models``, in deployment order: model 0 is the SLM that writes
 by default).  After every forward step the subserver calls :meth:`route` with a
-:class:`~tokenrouter.routing.protocol.StepResult`:
+:class:`~tokenrouter.protocol.StepResult`:
 
 * ``0`` — stay: the sampled token is committed and the request keeps decoding here;
 * ``k >= 1`` — hand over to peer ``k``: the ``k``-th entry of :meth:`peers`
@@ -37,7 +37,7 @@ import math
 import struct
 from typing import Any, Callable, Dict, List, Optional
 
-from ..routing.protocol import PeerReq, Status, StepResult
+from ..protocol import PeerReq, Status, StepResult
 
 __all__ = ["RoutingAlgorithm", "ParamSpec", "request_uniform", "request_key"]
 

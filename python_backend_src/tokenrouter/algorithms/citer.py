@@ -15,7 +15,7 @@ Trace score: ``c`` on SLM steps, none on LLM steps.
 
 from __future__ import annotations
 
-from ..routing.protocol import StepResult
+from ..protocol import StepResult
 from .base import ParamSpec
 from .deferral import OneTokenDeferral, router_spec
 

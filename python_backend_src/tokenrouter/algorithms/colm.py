@@ -22,7 +22,7 @@ Trace score: ``p`` on base steps, none on assistant steps.
 
 from __future__ import annotations
 
-from ..routing.protocol import StepResult
+from ..protocol import StepResult
 from .base import ParamSpec, request_key, request_uniform
 from .deferral import OneTokenDeferral, router_spec
 

@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..routing.protocol import StepResult
+from ..protocol import StepResult
 from .base import ParamSpec, RoutingAlgorithm
 from .learned import RouterFile, load_router
 

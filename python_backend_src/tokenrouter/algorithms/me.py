@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional
 
-from ..routing.protocol import StepResult
+from ..protocol import StepResult
 from .base import ParamSpec, RoutingAlgorithm, request_key, request_uniform
 
 __all__ = ["ME"]

@@ -22,7 +22,7 @@ Trace score: ``p`` on SLM steps, none on LLM steps.
 
 from __future__ import annotations
 
-from ..routing.protocol import StepResult
+from ..protocol import StepResult
 from .base import ParamSpec
 from .deferral import OneTokenDeferral, router_spec
 from .learned import embedding_matrix, r2r_features

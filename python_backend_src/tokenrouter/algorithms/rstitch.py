@@ -13,7 +13,7 @@ Trace score: the normalised entropy of the step (``last_score``).
 
 from __future__ import annotations
 
-from ..routing.protocol import StepResult
+from ..protocol import StepResult
 from .base import ParamSpec, RoutingAlgorithm
 
 

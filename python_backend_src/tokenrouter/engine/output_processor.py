@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Dict, List
 
 import torch
 
-from ..routing.protocol import FinishReason, StepResult
+from ..protocol import FinishReason, StepResult
 from .sampling import normalized_entropy
 
 if TYPE_CHECKING:

@@ -34,7 +34,7 @@ import torch
 
 from ..algorithms import RoutingAlgorithm
 from ..algorithms import configure as configure_algorithm
-from ..routing.protocol import FinishReason, PeerReq
+from ..protocol import FinishReason, PeerReq
 from .output_processor import OutputProcessorMixin
 from .sampling import BatchSampler, validate_sampling
 from .sglang_engine import Sequence

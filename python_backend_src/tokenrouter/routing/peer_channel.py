@@ -377,7 +377,7 @@ class PeerServer:
                 self._handshakes.handle()
 
     def _handle(self, frames: List[bytes]) -> None:
-        from .protocol import PeerReq
+        from ..protocol import PeerReq
 
         ident, meta = frames[0], json.loads(frames[1])
         op, seg = meta.get("op"), int(meta.get("seg", 0))

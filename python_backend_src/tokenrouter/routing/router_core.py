@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
 from .peer_channel import PeerDownError
-from .protocol import FinishReason, PeerReq
+from ..protocol import FinishReason, PeerReq
 
 __all__ = ["RoutedRequest", "drive"]
 

@@ -25,7 +25,7 @@ Inputs
                                "decode_steps"}; times synthetic steps on an idle model:
                                see _start_calibration)
     ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
-    ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.routing.protocol.PeerReq`)
+    ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.protocol.PeerReq`)
 
 Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
     ``output_ids`` INT64 [-1]  tokens committed by this model in this chunk
@@ -77,7 +77,7 @@ from ..engine.subserver import FINAL_KINDS, Subserver, SubserverConfig
 from ..routing.curve import CurveServer
 from ..proc import process_start_time, server_pid
 from ..routing.peer_channel import PeerServer, dead_routers, remove_advert, write_advert
-from ..routing.protocol import PeerReq
+from ..protocol import PeerReq
 from . import model_control
 from .common import llm_settings, model_parameters, param
 

@@ -106,7 +106,7 @@ from ..engine.sampling import SamplingParams, parse_sampling_parameters
 from ..routing.curve import CurveClient
 from ..routing.peer_channel import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert,
                                     remove_advert, write_advert)
-from ..routing.protocol import FinishReason
+from ..protocol import FinishReason
 from ..routing.router_core import drive, encode_prompt, make_header, stop_token_ids
 from . import model_control
 from .common import model_parameters, param, resolve_model_path
