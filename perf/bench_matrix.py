@@ -201,7 +201,7 @@ def calibrate_server(url: str, max_n: int, path: str, context: int = 96, decode_
 
     sizes = sorted({b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b <= max_n} | {int(max_n)})
     t0 = time.time()
-    calib = run_calibration(url, MODELS, sizes, context=context, decode_steps=decode_steps)
+    calib = run_calibration(url, MODELS, sizes, context=context, decode_steps=decode_steps, calibrate=admin.calibrate)
     with open(path, "w") as f:
         json.dump(calib, f, indent=1)
     print(f"  calibrated {MODELS} at batch sizes {sizes} (context {context}) in {time.time() - t0:.0f} s", flush=True)

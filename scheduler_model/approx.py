@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .dtmc import check_feasible, wait_quanta
+from .feasible import SearchResult, feasible_thresholds
 from .system import System
 
 
@@ -188,13 +189,11 @@ def crn_race(system: System, candidates: Optional[Sequence[Sequence[int]]] = Non
         max_wait_s: the server's wait bound per model in seconds (None: the paper's rule);
             :class:`CRNSimulator`.
     Returns:
-        :class:`scheduler_model.search.SearchResult` with method "crn-racing"; its table lists every
+        :class:`scheduler_model.feasible.SearchResult` with method "crn-racing"; its table lists every
         candidate with the estimate of the last round it ran and the events it ran ("events").
     Raises:
         InfeasibleThresholdsError: a given candidate is infeasible.
     """
-    from .search import SearchResult, feasible_thresholds
-
     t_start = time.perf_counter()
     if candidates is None:
         cands = np.asarray(list(feasible_thresholds(system, max_wait_s=max_wait_s)), dtype=np.int64)

@@ -25,7 +25,7 @@ Its points enter the fit of :mod:`scheduler_model.latency` as steps (b, 0, L) fo
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Mapping, Sequence
+from typing import Any, Callable, Dict, Mapping, Sequence
 
 from .errors import ProfileError
 from .latency import StepLatencyModel, calibration_points, fit_step_latency
@@ -34,14 +34,19 @@ DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 def run_calibration(url: str, models: Sequence[str], batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES,
-                    context: int = 256, decode_steps: int = 8, timeout_s: float = 3600.0) -> Dict[str, Any]:
+                    context: int = 256, decode_steps: int = 8, timeout_s: float = 3600.0, *,
+                    calibrate: Callable[..., Dict[str, Any]]) -> Dict[str, Any]:
     """Calibrate each model in turn over Triton gRPC at ``url`` (host:port); returns the calibration file dict.
+
+    Args:
+        calibrate: the client call that runs one model's ``calibrate`` op,
+            ``calibrate(url, model, batch_sizes=, context=, decode_steps=, timeout_s=)`` → its
+            answer (:func:`tokenrouter.tools.admin.calibrate`; this package imports nothing of
+            tokenrouter).
 
     Raises:
         RuntimeError: a model refused or failed (busy, KV pool too small, bad arguments).
     """
-    from tokenrouter.tools.admin import calibrate
-
     out: Dict[str, Any] = {"url": url, "context": int(context), "decode_steps": int(decode_steps),
                            "batch_sizes": [int(b) for b in batch_sizes], "models": {}}
     for m in models:

@@ -233,6 +233,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tokenrouter.tools.admin import calibrate  # the server's client: this command only
+
     from .calibrate import run_calibration
 
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -246,7 +248,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         return 2
     try:
         calib = run_calibration(args.url, models, sizes, context=args.context, decode_steps=args.decode_steps,
-                                timeout_s=args.timeout_s)
+                                timeout_s=args.timeout_s, calibrate=calibrate)
     except Exception as exc:  # noqa: BLE001 - server refused / unreachable: report, exit non-zero
         print(f"error: {exc}", file=sys.stderr)
         return 1
