@@ -89,6 +89,10 @@ class EngineConfig:
             weights and KV pool (GPU only); 0 leaves SGLang's default. Lower it
             when several models share one GPU (each model is its own process and
             sizes its pool from the memory still free when it loads).
+        prefix_cache: reuse KV across requests (:mod:`tokenrouter.engine.prefix_cache`): a new
+            sequence starts from the longest cached prefix of its tokens and extends only the
+            rest; a released sequence's tokens stay cached until the pool needs the slots
+            (LRU eviction of unreferenced prefixes).
     """
 
     model_path: str
@@ -108,6 +112,7 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int = 0
     mem_fraction_static: float = 0.0
+    prefix_cache: bool = False
 
 
 def resolve_device(device: str) -> str:
@@ -220,6 +225,8 @@ class Sequence:
         req: the SGLang ``Req`` holding the KV row (``None`` before first forward).
         extend_tokens_total: tokens this model has run through *extend*
             (prefill + resumes); decode steps are not counted.
+        cached_tokens: leading tokens whose KV came from the prefix cache at
+            :meth:`SGLangEngine.add` (a prefix-cache hit; 0 without one).
     """
 
     rid: str
@@ -227,7 +234,10 @@ class Sequence:
     kv_len: int = 0
     req: object = None
     extend_tokens_total: int = 0
+    cached_tokens: int = 0
     _in_running: bool = False
+    _cache_node: object = None  # locked prefix-cache node (None: none)
+    _prefix_slots: object = None  # KV slots of the cached prefix until the first forward
 
     @property
     def pending_tokens(self) -> int:
@@ -257,16 +267,24 @@ class ForwardOutput:
 
 
 class _NoPrefixCache:
-    """Minimal tree-cache object for ``ScheduleBatch``: no prefix sharing.
+    """Minimal tree-cache object for ``ScheduleBatch``: SGLang's own prefix sharing is off.
 
     TokenRouter keeps a request's KV row for its whole life (pending state), so
-    the radix cache's prefix matching is exactly the work the paper removes.
+    SGLang's per-step prefix matching is work the paper removes.  Prefix reuse
+    across requests is the engine's own (:mod:`tokenrouter.engine.prefix_cache`):
+    a new request's cached prefix slots are handed to SGLang's allocation through
+    :meth:`prefix_device_indices`.
     """
 
     def __init__(self, page_size, device, allocator):
         self.page_size = page_size
         self.device = device
         self.token_to_kv_pool_allocator = allocator
+        self.prefixes: Dict[str, torch.Tensor] = {}  # rid -> cached prefix slots (one extend)
+
+    def prefix_device_indices(self, req) -> torch.Tensor:
+        """KV slot ids of ``req``'s cached prefix (``req.prefix_len`` of them), for its first extend."""
+        return self.prefixes[req.rid][: req.prefix_len]
 
     def supports_swa(self) -> bool:
         return False
@@ -366,6 +384,9 @@ class SGLangEngine:
         self.kv_capacity = int(self.runner.token_to_kv_pool_allocator.available_size())
         self._tree_cache = _NoPrefixCache(get_schedule().page_size, self.runner.device,
                                           self.runner.token_to_kv_pool_allocator)
+        self.prefix_cache = None  # RadixPrefixCache when cfg.prefix_cache
+        self.prefix_counters = {"queries": 0, "hits": 0, "evicted": 0}  # tokens (see prefix_cache_stats)
+        self.set_prefix_cache(cfg.prefix_cache)
         if cfg.capture_hidden:
             from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
             self._capture_mode = CaptureHiddenMode.LAST
@@ -381,20 +402,84 @@ class SGLangEngine:
 
     # ------------------------------------------------------------- accounting
     def kv_tokens_in_use(self) -> int:
-        """KV token slots currently allocated (running + pending sequences)."""
-        return self.kv_capacity - int(self.runner.token_to_kv_pool_allocator.available_size())
+        """KV token slots held for running and pending sequences (including cached prefixes
+        they read); prefixes only the prefix cache holds are not counted (see
+        :meth:`prefix_cache_stats`), so this is 0 on an idle model."""
+        return self.kv_capacity - self.kv_tokens_free()
 
     def kv_tokens_free(self) -> int:
-        """KV token slots still free."""
-        return int(self.runner.token_to_kv_pool_allocator.available_size())
+        """KV token slots a sequence can get: free slots plus those the prefix cache would evict."""
+        free = int(self.runner.token_to_kv_pool_allocator.available_size())
+        return free + (self.prefix_cache.evictable_tokens if self.prefix_cache is not None else 0)
+
+    def prefix_cache_stats(self) -> Dict[str, int]:
+        """The prefix cache's sizes and counters (all in tokens; zeros when it is off).
+
+        Keys: ``prefix_cache_enabled`` (0/1), ``prefix_cache_tokens`` (KV the tree holds),
+        ``prefix_cache_evictable_tokens`` (of those, read by no request),
+        ``prefix_cache_queries`` (prompt tokens looked up by new sequences),
+        ``prefix_cache_hits`` (of those, found cached), ``prefix_cache_evicted_tokens``
+        (freed by eviction or flush), ``kv_tokens_allocated`` (every allocated slot:
+        ``kv_tokens_in_use`` + ``prefix_cache_evictable_tokens``).
+        """
+        pc = self.prefix_cache
+        return {"prefix_cache_enabled": int(pc is not None),
+                "prefix_cache_tokens": pc.total_tokens if pc is not None else 0,
+                "prefix_cache_evictable_tokens": pc.evictable_tokens if pc is not None else 0,
+                "prefix_cache_queries": self.prefix_counters["queries"],
+                "prefix_cache_hits": self.prefix_counters["hits"],
+                "prefix_cache_evicted_tokens": self.prefix_counters["evicted"]
+                + (pc.evicted_tokens if pc is not None else 0),
+                "kv_tokens_allocated": self.kv_capacity
+                - int(self.runner.token_to_kv_pool_allocator.available_size())}
+
+    def set_prefix_cache(self, enabled: bool) -> None:
+        """Turn the prefix cache on or off at run time (off empties it).
+
+        Raises:
+            RuntimeError: turning it off while sequences still read cached prefixes.
+        """
+        pc = self.prefix_cache
+        if enabled and pc is None:
+            from .prefix_cache import RadixPrefixCache
+            self.prefix_cache = RadixPrefixCache(int(self._tree_cache.page_size or 1), self._free_kv_slots)
+        elif not enabled and pc is not None:
+            if pc.locked_tokens:
+                raise RuntimeError(f"{pc.locked_tokens} cached tokens are read by requests in flight: "
+                                   "turn the prefix cache off when the model is idle")
+            pc.flush()
+            self.prefix_counters["evicted"] += pc.evicted_tokens
+            self.prefix_cache = None
+
+    def flush_prefix_cache(self) -> int:
+        """Evict every prefix no sequence reads; returns the tokens freed (0 when the cache is off)."""
+        return self.prefix_cache.flush() if self.prefix_cache is not None else 0
+
+    def _free_kv_slots(self, slots: torch.Tensor) -> None:
+        if len(slots) > 0:
+            self.runner.token_to_kv_pool_allocator.free(slots)
+            self._free_slots_unsorted = True
+
+    def _evict_for(self, num_tokens: int) -> None:
+        """Evict cached prefixes until ``num_tokens`` slots are free (as far as eviction can)."""
+        if self.prefix_cache is None:
+            return
+        short = num_tokens - int(self.runner.token_to_kv_pool_allocator.available_size())
+        if short > 0:
+            self.prefix_cache.evict(short)
 
     def rows_in_use(self) -> int:
         """Request rows held (sequences with a KV row)."""
         return sum(1 for s in self._seqs.values() if s.req is not None and s.req.kv.holds_kv)
 
     # ------------------------------------------------------------- lifecycle
-    def add(self, rid: str, tokens: Seq[int]) -> Sequence:
+    def add(self, rid: str, tokens: Seq[int], use_prefix_cache: bool = True) -> Sequence:
         """Register a new sequence (nothing is allocated until its first forward).
+
+        With the prefix cache on (and ``use_prefix_cache``), the sequence starts from the
+        longest cached prefix of ``tokens`` (whole pages, at most ``len(tokens) - 1`` tokens,
+        so one is left to extend): ``kv_len`` and ``cached_tokens`` are set to its length and
+        the prefix is locked (not evicted) until :meth:`release`.
 
         Raises:
             ValueError: ``rid`` is already registered or ``tokens`` is empty.
@@ -404,6 +489,15 @@ class SGLangEngine:
         if len(tokens) == 0:
             raise ValueError("a sequence needs at least one token")
         seq = Sequence(rid=rid, tokens=list(tokens))
+        pc = self.prefix_cache
+        if pc is not None and use_prefix_cache:
+            self.prefix_counters["queries"] += len(seq.tokens)
+            slots, node, n = pc.match(seq.tokens, limit=len(seq.tokens) - 1)
+            if n > 0:
+                pc.lock(node)
+                seq._cache_node, seq._prefix_slots = node, slots
+                seq.kv_len = seq.cached_tokens = n
+                self.prefix_counters["hits"] += n
         self._seqs[rid] = seq
         return seq
 
@@ -411,20 +505,36 @@ class SGLangEngine:
         """The registered sequence with id ``rid``, or ``None``."""
         return self._seqs.get(rid)
 
-    def release(self, seq: Sequence) -> None:
-        """Free ``seq``'s KV row and token slots and forget it.  Idempotent."""
+    def release(self, seq: Sequence, cache: bool = True) -> None:
+        """Free ``seq``'s KV row and token slots and forget it.  Idempotent.
+
+        With the prefix cache on and ``cache``, the KV of ``seq.tokens[:kv_len]`` (whole pages)
+        goes to the prefix cache instead of being freed (where the cache already holds those
+        tokens, ``seq``'s duplicate slots are freed); ``seq``'s lock on its cached prefix ends.
+        """
         if seq._in_running:
             self._detach([s for s in self._running_seqs if s is not seq])
         req = seq.req
+        pc = self.prefix_cache
         if req is not None and req.kv.holds_kv:
             n = int(req.kv.kv_allocated_len)
             pool = self.runner.req_to_token_pool
             if n > 0:
                 slots = pool.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64).clone()
-                self.runner.token_to_kv_pool_allocator.free(slots)
-                self._free_slots_unsorted = True
+                own = seq.cached_tokens if seq._cache_node is not None else 0  # slots the cache owns
+                if pc is not None and cache:
+                    keep = pc.page_floor(min(seq.kv_len, n, len(seq.tokens)))
+                    if keep > own:
+                        had = pc.insert(seq.tokens[:keep], slots[:keep])
+                        self._free_kv_slots(slots[own:max(own, had)])  # duplicates of cached tokens
+                        own = keep
+                self._free_kv_slots(slots[own:])
             pool.free(req)
             req.kv.mark_kv_released()
+        if seq._cache_node is not None:
+            pc.unlock(seq._cache_node)
+            seq._cache_node = seq._prefix_slots = None
+            self._tree_cache.prefixes.pop(seq.rid, None)
         seq.req = None
         seq.kv_len = 0
         self._seqs.pop(seq.rid, None)
@@ -485,7 +595,7 @@ class SGLangEngine:
         if need > self.context_length:
             raise KVCapacityError(
                 f"sequence of {need} tokens exceeds the context length {self.context_length}")
-        held = seq.req.kv.kv_allocated_len if (seq.req is not None and seq.req.kv.holds_kv) else 0
+        held = seq.req.kv.kv_allocated_len if (seq.req is not None and seq.req.kv.holds_kv) else seq.kv_len
         if need - held > self.kv_tokens_free():
             raise KVCapacityError(
                 f"KV pool full: {need - held} more tokens needed, {self.kv_tokens_free()} free")
@@ -505,6 +615,9 @@ class SGLangEngine:
             RuntimeError: SGLang could not allocate KV (check :meth:`check_fits` first).
         """
         t0 = time.perf_counter()
+        if self.prefix_cache is not None:  # room for this step's new tokens: evict cached prefixes
+            page = self.prefix_cache.page_size
+            self._evict_for(sum(s.pending_tokens for s in seqs) + (len(seqs) * page if page > 1 else 0))
         if self._free_slots_unsorted:
             self._sort_free_slots()
         decode, extend = [], []
@@ -572,6 +685,8 @@ class SGLangEngine:
         for s in seqs:
             if s.req is None:
                 s.req = self._new_req(s)
+                if s._prefix_slots is not None:  # first extend after a prefix-cache hit
+                    self._tree_cache.prefixes[s.rid] = s._prefix_slots
             req = s.req
             req.full_untruncated_fill_ids = array("q", s.tokens)
             req.prefix_len = s.kv_len
@@ -590,6 +705,10 @@ class SGLangEngine:
             batch.return_hidden_states = True
             batch.return_hidden_states_mode = self._capture_mode
         batch.prepare_for_extend()
+        for s in seqs:  # the cached prefix's slots are in the request's row now
+            if s._prefix_slots is not None:
+                s._prefix_slots = None
+                self._tree_cache.prefixes.pop(s.rid, None)
         if batch.input_ids is None and getattr(batch, "prefill_input_ids_cpu", None) is not None:
             batch.input_ids = batch.prefill_input_ids_cpu.to(batch.device, non_blocking=True)
             batch.prefill_input_ids_cpu = None

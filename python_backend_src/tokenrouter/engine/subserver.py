@@ -232,7 +232,10 @@ class Subserver(OutputProcessorMixin):
         send_s (streaming responses to the router); the delayed-batching settings
         delayed_batch_size (B_i) and delayed_batch_max_wait_us; prefill_chunks (partial
         prefills run: one per request and step whose new tokens did not all fit the step's
-        ``prefill_chunk_tokens`` budget) and that setting.
+        ``prefill_chunk_tokens`` budget) and that setting; the prefix cache's sizes and
+        counters in tokens (``prefix_cache_*``, ``kv_tokens_allocated``: see
+        ``SGLangEngine.prefix_cache_stats``; ``kv_tokens_in_use`` leaves out what only the
+        cache holds).
         """
         def snap():
             active = len(self.requests)
@@ -261,8 +264,23 @@ class Subserver(OutputProcessorMixin):
                 "delayed_batch_size": self.config.delayed_batch_size,
                 "delayed_batch_max_wait_us": int(round(self.config.max_wait_s * 1e6)),
                 "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+                **self.engine.prefix_cache_stats(),
             }
         return self.call(snap)
+
+    def flush_prefix_cache(self) -> Dict[str, Any]:
+        """Empty the model's prefix cache, on the loop thread (between steps).
+
+        Prefixes that running or pending requests read stay until those requests end.
+
+        Returns:
+            ``{"model", "flushed_tokens", "prefix_cache_tokens"}`` (tokens freed, tokens still cached).
+        """
+        def job():
+            freed = self.engine.flush_prefix_cache()
+            return {"model": self.name, "flushed_tokens": freed,
+                    "prefix_cache_tokens": self.engine.prefix_cache_stats()["prefix_cache_tokens"]}
+        return self.call(job)
 
     def reconfigure(self, **changes: Any) -> None:
         """Change scheduling settings at run time, on the loop thread (between steps).
@@ -409,9 +427,9 @@ class Subserver(OutputProcessorMixin):
         lr.header.tokens = []
         lr.algo = algo
         if self.config.readmit_on_resume:
-            # std-serving baseline: forget the KV, re-prefill everything
-            self.engine.release(lr.seq)
-            lr.seq = self.engine.add(lr.rid, lr.seq.tokens + tokens)
+            # std-serving baseline: forget the KV, re-prefill everything (no prefix cache either)
+            self.engine.release(lr.seq, cache=False)
+            lr.seq = self.engine.add(lr.rid, lr.seq.tokens + tokens, use_prefix_cache=False)
         else:
             lr.seq.tokens.extend(tokens)
         lr.loc = len(lr.seq.tokens)
@@ -482,7 +500,7 @@ class Subserver(OutputProcessorMixin):
             self.counters[kind] += 1
             self._end_segment(lr, kind, {"message": message, "finish_reason": FinishReason.CANCELLED.value})
         self.ready.pop(rid, None)
-        self.engine.release(lr.seq)
+        self.engine.release(lr.seq, cache=kind != "error")  # a failed step's KV is not cached
         self.sampler.forget(rid)
         self.reserved -= lr.reserved_tokens
 
@@ -504,7 +522,8 @@ class Subserver(OutputProcessorMixin):
         has_prefill = any(not lr.prefilled for lr in batch)
         t_mono = time.monotonic()
         for lr in batch:
-            if not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0 and lr.seq.kv_len == 0:
+            if not lr.prefilled and not lr.header.resume and lr.header.num_generated == 0 \
+                    and lr.seq.kv_len == lr.seq.cached_tokens:
                 lr.first_step_t = t_mono
         try:
             out = self.engine.forward(seqs)

@@ -10,6 +10,7 @@ Command line (prints JSON)::
     python -m tokenrouter.tools.admin configure --models llm '{"delayed_batch_size": 2}'
     python -m tokenrouter.tools.admin calibrate --models slm,llm '{"batch_sizes": [1, 2, 4, 8], "context": 256}'
     python -m tokenrouter.tools.admin events --models llm '{"since": 0, "limit": 100}'   # recent routing events
+    python -m tokenrouter.tools.admin flush --models slm,llm      # empty the prefix caches
 
 (``python -m scheduler_model calibrate`` does the same and writes the file its ``profile`` and
 ``solve`` take with ``--calibration``.)
@@ -32,7 +33,7 @@ import numpy as np
 
 from . import GRPC_URL_HELP, default_grpc_url
 
-__all__ = ["model_op", "model_stats", "configure", "calibrate", "events", "router_ready", "main"]
+__all__ = ["model_op", "model_stats", "configure", "calibrate", "events", "flush", "router_ready", "main"]
 
 
 def model_op(url: str, model: str, op: str, payload: Optional[Dict[str, Any]] = None,
@@ -73,6 +74,15 @@ def model_stats(url: str, model: str) -> Dict[str, Any]:
 def configure(url: str, model: str, **settings: Any) -> Dict[str, Any]:
     """Change a model's scheduling settings at run time (delayed_batch_size, …)."""
     return model_op(url, model, "configure", settings)
+
+
+def flush(url: str, model: str) -> Dict[str, Any]:
+    """Empty ``model``'s prefix cache (its ``flush`` op); prefixes that requests in flight read stay.
+
+    Returns:
+        ``{"kind": "flushed", "model", "flushed_tokens", "prefix_cache_tokens"}`` (tokens).
+    """
+    return model_op(url, model, "flush")
 
 
 def calibrate(url: str, model: str, batch_sizes=(1, 2, 4, 8), context: int = 256, decode_steps: int = 8,
@@ -168,7 +178,7 @@ def main(argv=None) -> int:
     import sys
 
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.admin", description=__doc__.split("\n\n")[0])
-    ap.add_argument("op", choices=["stats", "configure", "calibrate", "events", "ready", "keys"])
+    ap.add_argument("op", choices=["stats", "configure", "calibrate", "events", "flush", "ready", "keys"])
     ap.add_argument("settings", nargs="?", default="",
                     help="configure: JSON object of scheduling settings, e.g. '{\"delayed_batch_size\": 2}'; "
                          "calibrate: optional JSON {\"batch_sizes\": [...], \"context\": C, \"decode_steps\": K}; "
@@ -228,6 +238,8 @@ def main(argv=None) -> int:
                 out[m] = calibrate(a.url, m, **settings)
             elif a.op == "events":
                 out[m] = events(a.url, m, **settings)
+            elif a.op == "flush":
+                out[m] = flush(a.url, m)
             else:
                 out[m] = configure(a.url, m, **settings)
     except Exception as e:  # noqa: BLE001 - a CLI: report and exit non-zero

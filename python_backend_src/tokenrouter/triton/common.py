@@ -81,6 +81,10 @@ def json_or_empty(text: Optional[str]) -> Dict[str, Any]:
     return v
 
 
+#: default of the LLM models' ``prefix_cache`` parameter (docs/performance.md, "Prefix caching")
+PREFIX_CACHE_DEFAULT = False
+
+
 def llm_settings(params: Dict[str, str]):
     """EngineConfig and SubserverConfig keyword arguments from an LLM model's config parameters.
 
@@ -107,6 +111,7 @@ def llm_settings(params: Dict[str, str]):
         cuda_graph=param(params, "cuda_graph", True, bool),
         cuda_graph_max_bs=param(params, "cuda_graph_max_bs", 0, int),
         mem_fraction_static=param(params, "mem_fraction_static", 0.0, float),
+        prefix_cache=param(params, "prefix_cache", PREFIX_CACHE_DEFAULT, bool),
     )
     sched = dict(
         delayed_batch_size=max(1, param(params, "delayed_batch_size", 1, int)),

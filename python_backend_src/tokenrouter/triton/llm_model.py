@@ -23,7 +23,8 @@ Inputs
                                routing events after the cursor: see _events)
                                or ``calibrate`` (``peer_req``: {"batch_sizes", "context",
                                "decode_steps"}; times synthetic steps on an idle model:
-                               see _start_calibration)
+                               see _start_calibration), ``flush`` (empties the prefix cache:
+                               answers {"kind": "flushed", "flushed_tokens", "prefix_cache_tokens"})
     ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
     ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.protocol.PeerReq`)
 
@@ -49,12 +50,18 @@ routers of CITER, R2R and Co-LLM), ``cpu_linear_weights`` (CPU hosts: ``dual``
 default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.sglang_engine.EngineConfig`);
 GPU hosts: ``device`` (``auto`` default, ``cuda``, ``cpu``), ``attention_backend``
 (SGLang's; empty: its default), ``cuda_graph`` (``true`` default), ``cuda_graph_max_bs``,
-``mem_fraction_static`` (see :class:`tokenrouter.engine.sglang_engine.EngineConfig`); a ``KIND_GPU``
+``mem_fraction_static`` (see :class:`tokenrouter.engine.sglang_engine.EngineConfig`),
+``prefix_cache`` (``true``/``false``: reuse the KV of cached prompt prefixes across requests,
+:mod:`tokenrouter.engine.prefix_cache`; op ``configure`` switches it at run time); a ``KIND_GPU``
 instance runs on the GPU Triton gives it (``instance_group { kind: KIND_GPU gpus: [i] }``).
 Custom metrics on Triton's metrics endpoint:
 ``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
 ``tokenrouter_extend_tokens_total``, ``tokenrouter_decode_tokens_total``,
-``tokenrouter_active_requests`` (label ``model``).
+``tokenrouter_active_requests``; the prefix cache's, named as vLLM's (``vllm:prefix_cache_queries``,
+``vllm:prefix_cache_hits``), all in tokens: ``tokenrouter_prefix_cache_queries_total``,
+``tokenrouter_prefix_cache_hits_total``, ``tokenrouter_prefix_cache_tokens`` (KV the cache holds),
+``tokenrouter_prefix_cache_evictable_tokens`` (of those, read by no request),
+``tokenrouter_prefix_cache_evicted_tokens_total`` (label ``model``).
 """
 
 from __future__ import annotations
@@ -181,6 +188,15 @@ class TritonPythonModel:
             "extend_tokens": ("tokenrouter_extend_tokens_total", "tokens run through extend (prefill + resume)", C),
             "decode_tokens": ("tokenrouter_decode_tokens_total", "tokens run through decode", C),
             "handoffs_out": ("tokenrouter_handoffs_out_total", "requests handed to a peer", C),
+            "prefix_cache_queries": ("tokenrouter_prefix_cache_queries_total",
+                                     "prompt tokens looked up in the prefix cache", C),
+            "prefix_cache_hits": ("tokenrouter_prefix_cache_hits_total",
+                                  "prompt tokens whose KV the prefix cache held", C),
+            "prefix_cache_tokens": ("tokenrouter_prefix_cache_tokens", "KV tokens the prefix cache holds", G),
+            "prefix_cache_evictable_tokens": ("tokenrouter_prefix_cache_evictable_tokens",
+                                              "KV tokens the prefix cache holds that no request reads", G),
+            "prefix_cache_evicted_tokens": ("tokenrouter_prefix_cache_evicted_tokens_total",
+                                            "KV tokens evicted from the prefix cache", C),
         }
         self._metrics = {}
         self._counted: Dict[str, float] = {}  # counter key -> value published so far
@@ -210,6 +226,10 @@ class TritonPythonModel:
             "kv_tokens_in_use": self.engine.kv_tokens_in_use(), "kv_rows_in_use": self.engine.rows_in_use(),
             "active": len(s.requests), "extend_tokens": s.counters["extend_tokens"],
             "decode_tokens": s.counters["decode_tokens"], "handoffs_out": s.counters["handoffs_out"]}
+        pc = self.engine.prefix_cache_stats()
+        for key in ("prefix_cache_queries", "prefix_cache_hits", "prefix_cache_tokens",
+                    "prefix_cache_evictable_tokens", "prefix_cache_evicted_tokens"):
+            self._metrics_snapshot[key] = pc[key]
         self._metrics_dirty.set()
 
     def _publish_metrics(self, published):
@@ -267,7 +287,8 @@ class TritonPythonModel:
     def _configure(self, cfg: Dict[str, Any]) -> None:
         """Apply a ``configure`` op: the same keys as the config parameters
         ``delayed_batch_size``, ``delayed_batch_max_wait_us``, ``stream_interval``,
-        ``readmit_on_resume``, ``prefill_chunk_tokens``, ``lockstep_group`` ("" turns lock-step off)."""
+        ``readmit_on_resume``, ``prefill_chunk_tokens``, ``lockstep_group`` ("" turns lock-step off),
+        ``prefix_cache`` (true/false; off only while no request reads a cached prefix)."""
         if not isinstance(cfg, dict):
             raise ValueError("configure expects a JSON object")
         conv = {"delayed_batch_size": ("delayed_batch_size", lambda k, v: _count(k, v, 1)),
@@ -282,9 +303,15 @@ class TritonPythonModel:
                 changes[name] = f(k, v)
             elif k == "lockstep_group":
                 changes["lockstep"] = self._ring(str(v)) if v else None
+            elif k == "prefix_cache":
+                if not isinstance(v, bool):
+                    raise ValueError(f"configure: prefix_cache must be true or false, got {v!r}")
             else:
-                raise ValueError(f"unknown configure key {k!r}; allowed: {sorted([*conv, 'lockstep_group'])}")
+                raise ValueError(f"unknown configure key {k!r}; allowed: "
+                                 f"{sorted([*conv, 'lockstep_group', 'prefix_cache'])}")
         self.subserver.reconfigure(**changes)
+        if "prefix_cache" in cfg:
+            self.subserver.call(lambda: self.engine.set_prefix_cache(cfg["prefix_cache"]))
 
     def _on_event(self, event: Dict[str, Any]) -> None:
         """The Subserver's event sink: keep the event for op ``events``; log it if configured."""
@@ -333,7 +360,7 @@ class TritonPythonModel:
             try:
                 rid = _str_input(request, "request_id")
                 op = _str_input(request, "op", "run") or "run"
-                if not rid and op not in ("stats", "endpoint", "configure", "calibrate", "ping", "events"):
+                if not rid and op not in ("stats", "endpoint", "configure", "calibrate", "ping", "events", "flush"):
                     raise ValueError("request_id is required")
                 if op == "run":
                     ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
@@ -358,6 +385,8 @@ class TritonPythonModel:
                     self._send(sender, [], {"kind": "events", **self._events(req)})
                 elif op == "stats":
                     self._send(sender, [], {"kind": "stats", **self.subserver.stats()})
+                elif op == "flush":
+                    self._send(sender, [], {"kind": "flushed", **self.subserver.flush_prefix_cache()})
                 elif op == "ping":
                     self._send(sender, [], {"kind": "pong", "pid": os.getpid()})
                 elif op == "endpoint":
@@ -365,7 +394,7 @@ class TritonPythonModel:
                                             "pid": os.getpid(), "start": process_start_time(os.getpid())})
                 else:
                     raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure, calibrate, "
-                                     "ping, events or endpoint")
+                                     "flush, ping, events or endpoint")
             except Exception as e:  # noqa: BLE001 - answer this request only
                 self._send_error(sender, str(e))
         if runs:
