@@ -595,7 +595,7 @@ class NoTriton:
     def __init__(self, pair: str, repo: str):
         import threading
 
-        from tokenrouter.routing.direct import DirectCluster, DirectRouter
+        from tokenrouter.tools.direct import DirectCluster, DirectRouter
         from tokenrouter.tools.repository import read_config
         from tokenrouter.triton.common import llm_settings, resolve_model_path
 

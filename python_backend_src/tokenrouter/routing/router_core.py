@@ -5,7 +5,7 @@ handing-off model's PeerReq, with the token suffix the peer has not seen, to
 that peer.  :func:`drive` runs one request through the models until it ends;
 the *transport* reaches the models — the ZeroMQ channel
 (:class:`tokenrouter.routing.peer_channel.PeerClient`), used by ``token_router`` and by
-the no-Triton baseline :mod:`tokenrouter.routing.direct`.
+the no-Triton baseline :mod:`tokenrouter.tools.direct`.
 
 A transport has two methods:
 

@@ -1,4 +1,4 @@
-"""Operator tools: admin calls, the CLI client, repositories and deployments, the OpenAI front end, soak, router training.
+"""Operator tools: admin calls, the CLI client, repositories and deployments, the OpenAI front end, soak, router training, the no-Triton benchmark path (direct).
 
 Each runs as ``python -m tokenrouter.tools.<name>``.
 """

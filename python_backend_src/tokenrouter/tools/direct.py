@@ -24,7 +24,7 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
     sglang_cpu_compat.install()
     from ..engine.sglang_engine import EngineConfig, SGLangEngine
     from ..engine.subserver import Subserver, SubserverConfig
-    from .peer_channel import PeerServer
+    from ..routing.peer_channel import PeerServer
 
     sub = Subserver(SGLangEngine(EngineConfig(**engine_kwargs)), name, SubserverConfig(**sched_kwargs))
     server = PeerServer(sub)
@@ -48,7 +48,7 @@ class DirectCluster:
     """
 
     def __init__(self, models: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]], start_timeout_s: float = 600):
-        from .peer_channel import PeerClient
+        from ..routing.peer_channel import PeerClient
 
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
@@ -120,7 +120,7 @@ class DirectRouter:
         from transformers import AutoTokenizer
 
         from ..algorithms import configure as configure_algorithm
-        from .router_core import stop_token_ids
+        from ..routing.router_core import stop_token_ids
 
         self.cluster, self.models, self.algorithm = cluster, list(models), algorithm
         self.algo_cls, self.params = configure_algorithm(algorithm, params or {}, len(models))
@@ -147,7 +147,7 @@ class DirectRouter:
 
         from ..engine.detok import IncrementalDetokenizer
         from ..engine.sampling import parse_sampling_parameters
-        from .router_core import drive, encode_prompt, make_header
+        from ..routing.router_core import drive, encode_prompt, make_header
 
         sp = parse_sampling_parameters(json.dumps(sampling))
         rid = f"direct-{next(self._ids)}"
