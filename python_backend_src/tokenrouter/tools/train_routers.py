@@ -207,7 +207,11 @@ def main(argv=None) -> int:
                     help="labelling SLM: auto = fakequant when SLM == LLM, else served")
     ap.add_argument("--bits", type=int, default=4, help="fake-quantisation bits of the labelling SLM")
     ap.add_argument("--group", type=int, default=32, help="fake-quantisation group size (input channels)")
-    ap.add_argument("--prompts", default=os.path.join(REPO_ROOT, "data", "router_prompts.jsonl"))
+    ap.add_argument("--prompts", nargs="+", default=[os.path.join(REPO_ROOT, "data", "router_prompts.jsonl")],
+                    help="JSON-lines prompt files (several are concatenated)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                    help="the models' dtype; match the served one (the qwen-coder pair: bfloat16 where the "
+                    "CPU has native bf16)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=ROUTERS_DIR, help="output folder")
     ap.add_argument("--name", default="smollm2-135m", help="file suffix: <kind>_<name>.pt")
@@ -228,7 +232,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     llm_path = a.llm or a.slm
     tok = AutoTokenizer.from_pretrained(a.slm)
-    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()  # noqa: E731
+    load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=getattr(torch, a.dtype)).eval()  # noqa: E731
     slm = load(a.slm)
     same = os.path.realpath(llm_path) == os.path.realpath(a.slm)
     llm = slm if same else load(llm_path)
@@ -240,7 +244,7 @@ def main(argv=None) -> int:
     else:
         label_slm = slm
         label_desc = "the served SLM"
-    prompts = load_prompts(a.prompts)
+    prompts = [p for path in a.prompts for p in load_prompts(path)]
     data = collect(slm, llm, label_slm, tok, prompts, a.max_new_tokens)
     t_data = time.time() - t0
     n = len(data["diff"])
@@ -255,7 +259,8 @@ def main(argv=None) -> int:
     H = data["hidden"].shape[1]
     meta_common = {"slm": os.path.basename(a.slm.rstrip("/")), "llm": os.path.basename(llm_path.rstrip("/")),
                    "label_slm": label_desc, "label": "argmax(label SLM) != argmax(LLM) on LLM greedy trajectories",
-                   "prompts": os.path.relpath(a.prompts, REPO_ROOT) if a.prompts.startswith(REPO_ROOT) else a.prompts,
+                   "prompts": [os.path.relpath(p, REPO_ROOT) if p.startswith(REPO_ROOT) else p for p in a.prompts],
+                   "dtype": a.dtype,
                    "max_new_tokens": a.max_new_tokens, "positions": n, "seed": a.seed,
                    "command": "python -m tokenrouter.tools.train_routers " + " ".join(argv if argv is not None
                                                                                 else sys.argv[1:])}
