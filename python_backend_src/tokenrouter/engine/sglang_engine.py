@@ -782,7 +782,8 @@ class SGLangEngine:
             seqs: List[Sequence] = []
             try:
                 for j in range(b):
-                    seqs.append(self.add(f"__calibrate-{b}-{j}", [rng.randrange(vocab) for _ in range(int(context))]))
+                    seqs.append(self.add(f"__calibrate-{b}-{j}", [rng.randrange(vocab) for _ in range(int(context))],
+                                         use_prefix_cache=False))
                 prefill = []
                 per = max(1, int(prefill_chunk_tokens) // int(context))
                 for lo in range(0, b, per):
@@ -811,5 +812,5 @@ class SGLangEngine:
                                  "prefill": prefill})
             finally:
                 for s in seqs:
-                    self.release(s)
+                    self.release(s, cache=False)  # synthetic tokens: nothing to keep in the prefix cache
         return out_rows

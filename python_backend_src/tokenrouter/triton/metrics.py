@@ -26,7 +26,10 @@ Gauges
     ``tokenrouter:num_requests_running``          requests being driven through the models
     ``tokenrouter:num_requests_waiting``          accepted, waiting for a router worker
 
-The per-model KV gauges (``tokenrouter_kv_tokens_in_use`` …) are published by
+The per-model KV gauges (``tokenrouter_kv_tokens_in_use`` …) and the prefix cache's
+counters, named as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens:
+``tokenrouter_prefix_cache_queries_total``, ``…_hits_total``, ``…_evicted_tokens_total``;
+gauges ``tokenrouter_prefix_cache_tokens``, ``…_evictable_tokens``) are published by
 the model subservers (:mod:`tokenrouter.triton.llm_model`).
 
 Every call into ``pb_utils`` is an IPC to the server, so :class:`RouterMetrics`
