@@ -23,6 +23,20 @@ the buffered scores with each chunk it sends to the router
 (``scores`` per output token, ``handoffs`` with the score of the handoff step)
 and into the ``handoff`` events of the event log (``score``).
 
+Speculative decoding (Leviathan et al. 2023, "Fast Inference from Transformers via
+Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model Decoding
+with Speculative Sampling") needs three more hooks, all no-ops by default:
+
+* drafting model: :meth:`draft` turns a step's token into a *draft* (appended to the
+  sequence, so the next step computes its KV, but not output: not streamed, not counted
+  in ``num_generated``); ``send`` carries the drafts in ``PeerReq.extras``; when the
+  request comes back, the subserver rolls back the drafts its committed tokens do not
+  confirm (their KV freed) before appending the rest;
+* verifying model: :meth:`drafts_to_verify` names the drafts (appended by ``receive``)
+  the next step checks; that step runs them in one extend and returns the logits at every
+  drafted position, and :meth:`verify` picks the tokens to commit (the accepted drafts,
+  then the model's own next token); the rejected drafts' KV is freed.
+
 Engine access: the subserver calls :meth:`attach` with its engine once per
 instance, before the first ``route``; algorithms that need hidden states or
 the token-embedding matrix take them there (and raise ValueError with a clear
@@ -197,11 +211,46 @@ class RoutingAlgorithm:
                                    status=Status.RUNNING, extras=dict(req.header.extras))
 
     def receive(self, peer_req: PeerReq) -> List[int]:
-        """Turn a PeerReq into local work: the tokens to append before resuming.
+        """Turn a PeerReq into local work: the tokens to append before resuming (or, for a
+        new request, its first tokens).
 
         Default (paper): append the received suffix and queue the request to resume.
+
+        Raises:
+            ValueError: the PeerReq cannot be served (that request alone gets the error).
         """
         return list(peer_req.tokens)
+
+    # ------------------------------------------------------ speculative hooks
+    def draft(self, result: StepResult) -> Optional[int]:
+        """Drafting model: the token id this step *drafts* instead of committing, or None.
+
+        A draft is appended to the sequence (its KV is computed by the next step) but is not
+        output; :meth:`route` still decides after the step (e.g. hand the drafts to the
+        verifier after k of them).  Default: None (the step's token is committed as usual).
+        """
+        return None
+
+    def drafts_to_verify(self) -> List[int]:
+        """Verifying model: the drafted token ids at the end of what :meth:`receive` returned,
+        to be checked by the next step (default: none)."""
+        return []
+
+    def verify(self, result: StepResult, position_logits, drafts: List[int], sampler=None) -> List[int]:
+        """Verifying model: the tokens to commit after a step that ran ``drafts``.
+
+        Args:
+            result: the step's :class:`StepResult` (``state`` = the local request).
+            position_logits: float32 ``[len(drafts) + 1, V]``: next-token logits before each
+                draft and after the last one.
+            drafts: the drafted token ids, in order.
+            sampler: the subserver's :class:`~tokenrouter.engine.sampling.BatchSampler`
+                (the request's random generator), for sampled verification.
+        Returns:
+            The accepted prefix of ``drafts`` followed by one token of this model's own
+            (Leviathan et al. 2023, Algorithm 1).  Default: no draft accepted, the greedy token.
+        """
+        return [int(position_logits[0].argmax())]
 
 
 def request_uniform(tag: str, key: str, index: int) -> float:
