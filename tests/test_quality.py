@@ -1,0 +1,247 @@
+"""The quality benchmark (perf/quality.py): HumanEval scoring in the sandbox on real problems, the
+code-block parsing, the statistics (checked against scipy's implementations), the points and the
+report, and one small run through a real server on the demo pair."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import quality  # perf/ (pytest.ini)
+
+PROBLEMS = {p["task_id"]: p for p in quality.load_problems()}
+
+
+def test_humaneval_data():
+    assert len(PROBLEMS) == 164 and list(PROBLEMS)[0] == "HumanEval/0"
+    assert [p["task_id"] for p in quality.select_problems(list(PROBLEMS.values()), "3")] == [
+        "HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert [p["task_id"] for p in quality.select_problems(list(PROBLEMS.values()), "160:")] == [
+        f"HumanEval/{i}" for i in range(160, 164)]
+    assert len(quality.select_problems(list(PROBLEMS.values()), "all")) == 164
+    for bad in ("x", "200:", "1:1"):
+        with pytest.raises(ValueError):
+            quality.select_problems(list(PROBLEMS.values()), bad)
+
+
+@pytest.mark.parametrize("task", ["HumanEval/0", "HumanEval/2", "HumanEval/53", "HumanEval/162"])
+def test_canonical_solution_passes(task):
+    """HumanEval's own solutions pass (162 imports hashlib: the sandbox's guard leaves imports alone)."""
+    p = PROBLEMS[task]
+    assert quality.score(p, p["canonical_solution"]) == {"passed": True, "result": "passed"}
+
+
+def test_wrong_solutions_fail():
+    p = PROBLEMS["HumanEval/2"]  # truncate_number
+    r = quality.score(p, "    return number\n")
+    assert not r["passed"] and r["result"].startswith("failed: AssertionError")
+    r = quality.score(p, "    return number -\n")
+    assert not r["passed"] and "SyntaxError" in r["result"]
+    r = quality.score(p, "    return undefined_name\n")
+    assert not r["passed"] and "NameError" in r["result"]
+
+
+def test_infinite_loop_is_stopped():
+    r = quality.score(PROBLEMS["HumanEval/2"], "    while True:\n        pass\n", timeout_s=2)
+    assert r["passed"] is False and r["result"].startswith("timed out"), r
+
+
+def test_memory_hog_is_stopped():
+    """The address-space limit turns a 4 GiB allocation, and a list that grows without end, into a
+    MemoryError in the program (it fails; this process is untouched)."""
+    p = PROBLEMS["HumanEval/2"]
+    r = quality.score(p, "    x = bytearray(4 << 30)\n    return number % 1.0\n", memory_mb=512)
+    assert not r["passed"] and "MemoryError" in r["result"], r
+    r = quality.score(p, "    x = []\n    while True:\n        x.append(' ' * (1 << 20))\n", timeout_s=30,
+                      memory_mb=512)
+    assert not r["passed"] and "MemoryError" in r["result"], r
+
+
+def test_an_early_exit_is_not_a_pass():
+    """A program that leaves before ``check`` ran to the end fails, whatever its exit status."""
+    p = PROBLEMS["HumanEval/2"]
+    assert quality.score(p, "    return number % 1.0\nimport os\nos._exit(0)\n")["passed"] is False
+    r = quality.score(p, "    return number % 1.0\nimport sys\nsys.exit(0)\n")
+    assert r["passed"] is False and "SystemExit" in r["result"]
+    # the same body without the exit passes (the exits were what failed)
+    assert quality.score(p, "    return number % 1.0\n")["passed"] is True
+
+
+def test_sandbox_guards(tmp_path):
+    """Destructive os calls are disabled and the program runs in a temporary folder."""
+    p = PROBLEMS["HumanEval/2"]
+    victim = tmp_path / "keep.txt"
+    victim.write_text("x")
+    r = quality.score(p, f"    import os\n    os.remove({str(victim)!r})\n    return number % 1.0\n")
+    assert not r["passed"] and victim.exists()
+    r = quality.score(p, "    open('made_here.txt', 'w').write('x')\n    return number % 1.0\n")
+    assert r["passed"] and not (Path.cwd() / "made_here.txt").exists()
+
+
+def test_completion_parsing_and_program():
+    assert quality.extract_completion("    return 1\n```\nMore text\n```") == "    return 1\n"
+    assert quality.extract_completion("    return 1\n") == "    return 1\n"  # cut by max_tokens
+    assert quality.extract_completion("```") == ""
+    p = PROBLEMS["HumanEval/2"]
+    prog = quality.check_program(p, "    return number % 1.0\n")
+    assert prog == p["prompt"] + "    return number % 1.0\n" + "\n" + p["test"] + "\n" + "check(truncate_number)"
+
+
+def test_prompt_is_the_chat_template_with_the_prefilled_answer():
+    """User turn: the instruction with the problem in a python block (the model's chat template);
+    assistant turn: pre-filled with the opening fence and the problem's prompt verbatim."""
+    from tokenrouter.tools.openai_frontend import load_tokenizer
+    from tokenrouter.triton.common import resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    p = PROBLEMS["HumanEval/2"]
+    text = quality.build_prompt(tok, p)
+    user = quality.INSTRUCTION.format(prompt=p["prompt"].strip())
+    assert f"```python\n{p['prompt'].strip()}\n```" in user
+    head = tok.apply_chat_template([{"role": "user", "content": user}], add_generation_prompt=True, tokenize=False)
+    assert text == head + "```python\n" + p["prompt"]
+    assert text.count("<|im_start|>assistant") == 1 and text.index(user) < text.index("<|im_start|>assistant")
+
+
+@pytest.mark.parametrize("k,n", [(0, 10), (3, 10), (10, 10), (93, 164), (1, 1)])
+def test_wilson_interval(k, n):
+    from scipy.stats import binomtest
+
+    ref = binomtest(k, n).proportion_ci(confidence_level=0.95, method="wilson")
+    lo, hi = quality.wilson_interval(k, n)
+    assert lo == pytest.approx(ref.low, abs=1e-9) and hi == pytest.approx(ref.high, abs=1e-9)
+    assert all(math.isnan(x) for x in quality.wilson_interval(0, 0))
+
+
+def test_mcnemar_exact():
+    """b, c counted on the problems both have; p = scipy's exact two-sided binomial test of b among b + c."""
+    from scipy.stats import binomtest
+
+    a = {f"t{i}": v for i, v in enumerate([1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0])}
+    b = {f"t{i}": v for i, v in enumerate([0, 0, 0, 0, 0, 1, 1, 1, 0, 1, 0, 0, 1])}  # t12: not in a
+    r = quality.mcnemar_exact({k: bool(v) for k, v in a.items()}, {k: bool(v) for k, v in b.items()})
+    assert (r["n"], r["b"], r["c"]) == (12, 5, 1)
+    assert r["p_value"] == pytest.approx(binomtest(5, 6, 0.5).pvalue)
+    r = quality.mcnemar_exact({"x": True, "y": False}, {"x": True, "y": False})
+    assert r["b"] == r["c"] == 0 and r["p_value"] == 1.0
+    # 0 against 5 discordant: 2 · 2⁻⁵
+    r = quality.mcnemar_exact({str(i): False for i in range(5)}, {str(i): True for i in range(5)})
+    assert r["p_value"] == pytest.approx(2 / 32)
+
+
+def test_points_and_routers():
+    pts = quality.parse_points(["slm-only", "llm-only"], [0.1, 0.5],
+                               ["rstitch:tau=0.1,0.2", "rstitch:max_llm_run=1,2:tau=0.3"])
+    by = {p.name: p for p in pts}
+    assert list(by) == ["slm-only", "llm-only", "random:p=0.1", "random:p=0.5", "rstitch:tau=0.1",
+                        "rstitch:tau=0.2", "rstitch:max_llm_run=1,tau=0.3", "rstitch:max_llm_run=2,tau=0.3"]
+    routers = quality.plan_routers(pts)
+    # a threshold sweep shares a router (the threshold goes with each request); other parameters do not
+    assert by["random:p=0.1"].router == by["random:p=0.5"].router and by["random:p=0.5"].threshold == 0.5
+    assert by["rstitch:tau=0.1"].router == by["rstitch:tau=0.2"].router
+    assert by["rstitch:max_llm_run=1,tau=0.3"].router != by["rstitch:max_llm_run=2,tau=0.3"].router
+    assert by["rstitch:max_llm_run=2,tau=0.3"].threshold is None
+    assert json.loads(routers[by["rstitch:max_llm_run=2,tau=0.3"].router]["algorithm_params"]) == {
+        "tau": 0.3, "max_llm_run": 2}
+    assert routers[by["llm-only"].router] == {"algorithm": "none", "algorithm_params": '{"model": 1}'}
+    assert len(routers) == 6 and by["rstitch:tau=0.1"].slug == "rstitch_tau=0.1"
+    for bad in (["nope:x=1"], ["rstitch:tau=2"], ["rstitch"], ["rstitch:tau="]):
+        with pytest.raises(ValueError):
+            quality.parse_points([], [], bad)
+    with pytest.raises(ValueError, match="outside"):
+        quality.parse_points([], [1.5], [])
+
+
+def _cache(name, passed, llm, out, handoffs, wall=10.0):
+    probs = {f"HumanEval/{i}": {"passed": bool(p), "output_tokens": o, "llm_tokens": l, "handoffs": h,
+                                "e2e_s": 1.0 + i, "completion": ""}
+             for i, (p, l, o, h) in enumerate(zip(passed, llm, out, handoffs))}
+    return {"point": name, "problems": probs,
+            "runs": [{"wall_s": wall, "output_tokens": sum(out)}]}
+
+
+def test_summary_and_comparisons():
+    """Token-weighted LLM share, mean handoffs, throughput over the runs, the random point with the
+    nearest share as the comparison, and McNemar against llm-only."""
+    ids = [f"HumanEval/{i}" for i in range(4)]
+    caches = [_cache("llm-only", [1, 1, 1, 0], [10, 20, 30, 40], [10, 20, 30, 40], [0, 0, 0, 0]),
+              _cache("random:p=0.2", [1, 0, 0, 0], [2, 4, 6, 8], [10, 20, 30, 40], [3, 5, 7, 9]),
+              _cache("random:p=0.5", [1, 1, 0, 0], [5, 10, 15, 20], [10, 20, 30, 40], [1, 1, 1, 1]),
+              _cache("rstitch:tau=0.1", [1, 1, 1, 1], [1, 9, 3, 11], [10, 20, 30, 40], [2, 2, 4, 4], wall=20),
+              _cache("slm-only", [0, 0, 1, 0], [0, 0, 0, 0], [10, 20, 30, 40], [0, 0, 0, 0])]
+    rows = [quality.point_summary(c, ids) for c in caches]
+    quality.compare(rows)
+    r = rows[3]
+    # slm-only 1/4, llm-only 3/4: 4/4 is (1 - 0.25) / (0.75 - 0.25) of the gap
+    assert r["gap_recovered"] == pytest.approx(1.5) and rows[4]["gap_recovered"] == 0.0
+    assert "vs_random" not in rows[4]  # the baselines are not compared with random routing
+    assert r["llm_share"] == pytest.approx(24 / 100) and r["handoffs_per_request"] == pytest.approx(3.0)
+    assert r["throughput_tok_s"] == pytest.approx(100 / 20) and r["pass_at_1"] == 1.0
+    assert r["e2e_s"]["p50"] == pytest.approx(2.5)
+    assert r["vs_random"]["point"] == "random:p=0.2" and (r["vs_random"]["b"], r["vs_random"]["c"]) == (3, 0)
+    assert (r["vs_llm_only"]["b"], r["vs_llm_only"]["c"]) == (1, 0) and r["vs_llm_only"]["p_value"] == 1.0
+    assert "vs_random" not in rows[1] and "vs_llm_only" not in rows[0] and "vs_llm_only" in rows[4]
+    # a subset of the problems: only those enter
+    assert quality.point_summary(caches[3], ids[:2])["llm_share"] == pytest.approx(10 / 30)
+    table = quality.table(rows)
+    assert table.count("\n") == len(rows) + 1 and "| rstitch:tau=0.1 | 4 | 100.0 % | 51.0–100.0 | 150 % | 0.240 |" in table
+
+
+def test_cache_with_other_settings_is_refused(tmp_path):
+    pt = quality.Point("slm-only", "none", {"model": 0})
+    path = str(tmp_path / "slm-only.json")
+    settings = {"pair": "demo", "prompt_format": quality.PROMPT_FORMAT, "max_tokens": 512,
+                "exec_timeout_s": 10.0, "exec_memory_mb": 1024}
+    data = quality.load_cache(path, pt, settings, force=False)
+    data["problems"]["HumanEval/0"] = {"passed": True}
+    quality.save_cache(path, data)
+    assert quality.load_cache(path, pt, settings, force=False)["problems"] == data["problems"]
+    with pytest.raises(ValueError, match="max_tokens: cached 512, now 64"):
+        quality.load_cache(path, pt, {**settings, "max_tokens": 64}, force=False)
+    assert quality.load_cache(path, pt, {**settings, "max_tokens": 64}, force=True)["problems"] == {}
+
+
+@pytest.mark.server
+def test_quality_end_to_end_on_the_demo_pair(repo_root, tmp_path):
+    """2 problems through a real server (demo pair) at 2 points, slm-only and random p = 0.5: a record
+    per problem and point, its completion rescored to the same verdict, the routing as the seeded draws
+    decide (random: LLM token t iff U(seed = problem number, t) < p), then the cache serves a second
+    command without a server (table and plot)."""
+    from tokenrouter.algorithms.base import request_uniform
+
+    out = tmp_path / "q"
+    cmd = [sys.executable, str(repo_root / "perf" / "quality.py"), "--pair", "demo", "--problems", "2",
+           "--baselines", "slm-only", "--random", "0.5", "--max-tokens", "24", "--concurrency", "2",
+           "--out", str(out)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo_root)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "2 points to run (4 requests)" in run.stdout
+    for name in ("slm-only", "random_p=0.5"):
+        data = json.loads((out / "demo" / f"{name}.json").read_text())
+        assert sorted(data["problems"]) == ["HumanEval/0", "HumanEval/1"] and data["runs"][0]["errors"] == []
+        for tid, rec in data["problems"].items():
+            assert 1 <= rec["output_tokens"] <= 24 and rec["finish_reason"] in ("stop", "length")
+            assert rec["passed"] == quality.score(PROBLEMS[tid], rec["completion"])["passed"]
+            assert "```" not in rec["completion"] and rec["input_tokens"] > 100
+            if name == "slm-only":
+                assert rec["llm_tokens"] == 0 and rec["handoffs"] == 0
+            else:
+                seed = int(tid.split("/")[1])
+                draws = [request_uniform("random:0", f"seed:{seed}", t) < 0.5 for t in range(rec["output_tokens"])]
+                assert rec["llm_tokens"] == sum(draws)
+                assert rec["handoffs"] == sum(a != b for a, b in zip(draws, draws[1:]))
+    before = (out / "demo" / "slm-only.json").read_text()
+    again = subprocess.run(cmd + ["--plot", str(tmp_path / "q.png")], capture_output=True, text=True,
+                           timeout=300, cwd=repo_root)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "starting tritonserver" not in again.stdout and "| random:p=0.5 | 2 |" in again.stdout
+    assert (out / "demo" / "slm-only.json").read_text() == before
+    assert (tmp_path / "q.png").stat().st_size > 0
+    summary = json.loads((out / "demo" / "summary.json").read_text())
+    assert {r["point"] for r in summary["rows"]} == {"slm-only", "random:p=0.5"}
