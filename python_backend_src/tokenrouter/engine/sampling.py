@@ -15,13 +15,69 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 __all__ = ["SamplingParams", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
-           "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS"]
+           "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS",
+           "InputLimits", "DEFAULT_LIMITS", "json_depth", "check_json_text"]
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """Bounds on a client's sampling parameters, checked before any work that grows with them.
+
+    Each refusal is a ``ValueError`` naming the limit (its config key) and its value.  The
+    router reads them from its config parameters of the same names
+    (:mod:`tokenrouter.triton.router_model`); docs/reliability.md lists the defaults.
+
+    Attributes:
+        max_sampling_parameters_bytes: size in bytes of the ``sampling_parameters`` JSON
+            (or the request's parameters), checked on the raw bytes before JSON parsing.
+        max_json_depth: nesting depth of that JSON (``{"stop": ["x"]}`` is 2), checked
+            on the raw text before parsing.
+        max_stop_strings: number of ``stop`` strings.
+        max_stop_string_bytes: UTF-8 bytes of one stop string.
+        max_stop_token_ids: number of ``stop_token_ids``.
+    """
+
+    max_sampling_parameters_bytes: int = 64 * 1024
+    max_json_depth: int = 8
+    max_stop_strings: int = 16
+    max_stop_string_bytes: int = 1024
+    max_stop_token_ids: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in self.__dataclass_fields__:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+
+
+#: the limits applied when the caller gives none
+DEFAULT_LIMITS = InputLimits()
+
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+_JSON_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """Nesting depth of a JSON text (objects and arrays; ``1`` = ``{}``), read without parsing it.
+
+    Brackets inside strings do not count; the text need not be valid JSON (the parser
+    reports that later).  Time and memory are linear in ``len(text)``.
+    """
+    depth = deepest = 0
+    for m in _JSON_BRACKET.finditer(_JSON_STRING.sub('""', text)):
+        if m.group() in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        else:
+            depth = max(0, depth - 1)
+    return deepest
 
 
 @dataclass
@@ -137,11 +193,28 @@ def _to_bool(key: str, v: Any) -> bool:
     raise ValueError(f"sampling_parameters.{key} must be true or false, got {v!r}")
 
 
-def _load(src: Union[None, str, Dict[str, Any]]) -> Dict[str, Any]:
+def check_json_text(text: str, what: str, limits: InputLimits = DEFAULT_LIMITS) -> None:
+    """Size and nesting-depth checks of a JSON text before it is parsed.
+
+    Raises:
+        ValueError: longer than ``max_sampling_parameters_bytes`` (characters, a lower bound of
+            its UTF-8 bytes) or nested deeper than ``max_json_depth``; the message names the limit.
+    """
+    if len(text) > limits.max_sampling_parameters_bytes:
+        raise ValueError(f"{what} is {len(text)} bytes; the limit is {limits.max_sampling_parameters_bytes} "
+                         f"(max_sampling_parameters_bytes)")
+    d = json_depth(text)
+    if d > limits.max_json_depth:
+        raise ValueError(f"{what} is nested {d} levels deep; the limit is {limits.max_json_depth} "
+                         f"(max_json_depth)")
+
+
+def _load(src: Union[None, str, Dict[str, Any]], limits: InputLimits = DEFAULT_LIMITS) -> Dict[str, Any]:
     if src is None:
         return {}
     if isinstance(src, dict):
         return dict(src)
+    check_json_text(src, "sampling_parameters", limits)
     if not src.strip():
         return {}
     try:
@@ -154,7 +227,8 @@ def _load(src: Union[None, str, Dict[str, Any]]) -> Dict[str, Any]:
 
 
 def parse_sampling_parameters(text: Union[None, str, Dict[str, Any]],
-                              default_max_tokens: int = 16, source: str = "sampling_parameters") -> SamplingParams:
+                              default_max_tokens: int = 16, source: str = "sampling_parameters",
+                              limits: Optional[InputLimits] = None) -> SamplingParams:
     """Parse and validate sampling parameters (vllm_backend's value forms).
 
     Args:
@@ -167,29 +241,35 @@ def parse_sampling_parameters(text: Union[None, str, Dict[str, Any]],
             parameters).  Request parameters are scalars, so there ``stop`` and
             ``stop_token_ids`` may also be given as a JSON array in a string
             (``"[\"\\n\", \"END\"]"``, ``"[2, 7]"``).
+        limits: :class:`InputLimits` (default :data:`DEFAULT_LIMITS`): size and depth of
+            the JSON (checked before parsing), number and length of stop strings, number of
+            stop token ids.
 
     Raises:
         ValueError: not JSON, not an object, unknown keys, or a value that
             cannot be converted (``"ten"``), is not finite (NaN, ±Infinity) or
-            is out of range (the message names the key and ``source``).
+            is out of range (the message names the key and ``source``); or a
+            limit exceeded (the message names the limit and its value).
     """
+    limits = limits or DEFAULT_LIMITS
     try:
-        d = _load(text)
+        d = _load(text, limits)
         if source != "sampling_parameters":
-            d = _arrays_from_strings(d)
-        return _parse(d, default_max_tokens)
+            d = _arrays_from_strings(d, limits)
+        return _parse(d, default_max_tokens, limits)
     except ValueError as e:
         if source == "sampling_parameters":
             raise
         raise ValueError(str(e).replace("sampling_parameters", source)) from None
 
 
-def _arrays_from_strings(d: Dict[str, Any]) -> Dict[str, Any]:
+def _arrays_from_strings(d: Dict[str, Any], limits: InputLimits = DEFAULT_LIMITS) -> Dict[str, Any]:
     """``stop`` / ``stop_token_ids`` given as a JSON array in a string (request parameters are scalars)."""
     out = dict(d)
     for key in ("stop", "stop_token_ids"):
         v = out.get(key)
         if isinstance(v, str) and v.lstrip().startswith("["):
+            check_json_text(v, f"sampling_parameters.{key}", limits)
             try:
                 arr = json.loads(v)
             except json.JSONDecodeError as e:
@@ -204,7 +284,7 @@ def _arrays_from_strings(d: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def _parse(d: Dict[str, Any], default_max_tokens: int) -> SamplingParams:
+def _parse(d: Dict[str, Any], default_max_tokens: int, limits: InputLimits = DEFAULT_LIMITS) -> SamplingParams:
     p = SamplingParams(max_tokens=default_max_tokens)
     unknown = set(d) - _KEYS
     if unknown:
@@ -264,11 +344,21 @@ def _parse(d: Dict[str, Any], default_max_tokens: int) -> SamplingParams:
             s = [s]
         if not isinstance(s, list) or not all(isinstance(x, str) and x for x in s):
             raise ValueError("sampling_parameters.stop must be a non-empty string or a list of them")
+        if len(s) > limits.max_stop_strings:
+            raise ValueError(f"sampling_parameters.stop has {len(s)} strings; the limit is "
+                             f"{limits.max_stop_strings} (max_stop_strings)")
+        longest = max(len(x.encode("utf-8")) for x in s)  # a few strings, each bounded by the JSON size
+        if longest > limits.max_stop_string_bytes:
+            raise ValueError(f"sampling_parameters.stop has a string of {longest} bytes; the limit is "
+                             f"{limits.max_stop_string_bytes} (max_stop_string_bytes)")
         p.stop = s
     if "stop_token_ids" in d:
         s = d["stop_token_ids"]
         if not isinstance(s, list):
             raise ValueError(f"sampling_parameters.stop_token_ids must be a list of token ids, got {s!r}")
+        if len(s) > limits.max_stop_token_ids:
+            raise ValueError(f"sampling_parameters.stop_token_ids has {len(s)} ids; the limit is "
+                             f"{limits.max_stop_token_ids} (max_stop_token_ids)")
         p.stop_token_ids = [num_item for num_item in
                             (_to_number("stop_token_ids", x, int) for x in s)]
         if any(t < 0 for t in p.stop_token_ids):

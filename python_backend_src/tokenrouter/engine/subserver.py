@@ -44,7 +44,12 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[str, List[int], Dict[str, Any]], None]
 FINAL_KINDS = ("handoff", "finished", "cancelled", "error")
 
-__all__ = ["Subserver", "LocalRequest", "SubserverConfig", "FINAL_KINDS"]
+__all__ = ["Subserver", "LocalRequest", "SubserverConfig", "FINAL_KINDS", "BUSY_PREFIX"]
+
+#: start of the message of a request refused or ended because the model is busy (its KV queue
+#: is full, or the request waited past its queue timeout); the router answers it as Triton's
+#: UNAVAILABLE (HTTP 503), never as a failure
+BUSY_PREFIX = "busy: "
 
 
 @dataclass
@@ -69,6 +74,10 @@ class SubserverConfig:
             never wait behind a long prompt; a request whose new tokens do not fit runs the part
             that does (a chunk) and the rest in later steps, one that gets none waits a step.
             Only a request's last chunk yields a token.  0: no chunking.
+        queue_timeout_s: seconds a new request may wait for KV (or a running slot) in this
+            model's queue; then it ends as busy (:data:`BUSY_PREFIX`).  A PeerReq's
+            ``extras["queue_timeout_s"]`` (the router's, per request) lowers it.  0: no limit.
+        max_queued_requests: most requests waiting for KV; one more is refused at once as busy.
 
     Raises:
         ValueError: a setting out of range (``delayed_batch_size`` or ``stream_interval`` < 1,
@@ -82,10 +91,13 @@ class SubserverConfig:
     readmit_on_resume: bool = False
     lockstep: Optional[Any] = None
     prefill_chunk_tokens: int = 512
+    queue_timeout_s: float = 60.0
+    max_queued_requests: int = 256
 
     def __post_init__(self) -> None:
         for name, lo in (("delayed_batch_size", 1), ("stream_interval", 1), ("max_batch", 1),
-                         ("max_wait_s", 0), ("prefill_chunk_tokens", 0)):
+                         ("max_wait_s", 0), ("prefill_chunk_tokens", 0), ("queue_timeout_s", 0),
+                         ("max_queued_requests", 0)):
             if getattr(self, name) < lo:
                 raise ValueError(f"{name} must be >= {lo}, got {getattr(self, name)!r}")
 
@@ -152,6 +164,7 @@ class Subserver(OutputProcessorMixin):
         self.requests: Dict[str, LocalRequest] = {}
         self.ready: "collections.OrderedDict[str, LocalRequest]" = collections.OrderedDict()
         self.waiting: Deque[tuple] = collections.deque()  # (peer_req, sink) awaiting KV
+        self._wait_deadline: Dict[str, float] = {}  # rid in waiting -> its queue deadline (monotonic)
         self.reserved = 0
         self.inbox: "queue.Queue[tuple]" = queue.Queue()
         self.counters = collections.Counter()
@@ -320,6 +333,8 @@ class Subserver(OutputProcessorMixin):
                             self._handle(self.inbox.get_nowait())
                         except queue.Empty:
                             break
+                if self._wait_deadline:
+                    self._expire_waiting()
                 ring = self.config.lockstep
                 if ring is not None:
                     if ring.mine():
@@ -340,7 +355,7 @@ class Subserver(OutputProcessorMixin):
         if self.config.lockstep is not None:
             return 0.0005  # poll the turn ring
         if not self.ready:
-            return None
+            return 0.5 if self._wait_deadline else None  # a waiting request's deadline is checked
         if self._enough_ready():
             return 0.0
         oldest = next(iter(self.ready.values())).ready_since
@@ -417,7 +432,7 @@ class Subserver(OutputProcessorMixin):
                 return
             if self.reserved + need > self.engine.kv_capacity or \
                     len(self.requests) >= self.engine.config.max_running_requests:
-                self.waiting.append((peer_req, sink))
+                self._enqueue(peer_req, sink, need)
                 return
             self._admit(peer_req, sink, algo, need)
             return
@@ -455,6 +470,39 @@ class Subserver(OutputProcessorMixin):
         self.requests[lr.rid] = lr
         self._make_ready(lr)
 
+    def _enqueue(self, peer_req: PeerReq, sink: Sink, need: int) -> None:
+        """Queue a new request that must wait for KV (in order), or refuse it as busy when the
+        queue is full (``max_queued_requests``)."""
+        if len(self.waiting) >= self.config.max_queued_requests:
+            self.counters["busy"] += 1
+            sink("error", [], {"message": (
+                f"{BUSY_PREFIX}model {self.name} has {len(self.waiting)} requests waiting for KV; the limit is "
+                f"{self.config.max_queued_requests} (max_queued_requests; the request needs {need} tokens, "
+                f"{self.engine.kv_capacity - self.reserved} of {self.engine.kv_capacity} are free); retry later")})
+            return
+        timeout = self.config.queue_timeout_s
+        try:
+            asked = float((peer_req.extras or {}).get("queue_timeout_s") or 0)
+        except (TypeError, ValueError):
+            asked = 0.0
+        if asked > 0:
+            timeout = min(timeout, asked) if timeout else asked
+        if timeout:
+            self._wait_deadline[peer_req.rid] = time.monotonic() + timeout
+        self.waiting.append((peer_req, sink))
+
+    def _expire_waiting(self) -> None:
+        """End as busy every queued request past its queue deadline (order of the rest kept)."""
+        now = time.monotonic()
+        for peer_req, sink in [w for w in self.waiting if self._wait_deadline.get(w[0].rid, now) < now]:
+            self.waiting.remove((peer_req, sink))
+            del self._wait_deadline[peer_req.rid]
+            self.counters["busy"] += 1
+            sink("error", [], {"message": (
+                f"{BUSY_PREFIX}model {self.name} had no KV free for the request within its queue timeout "
+                f"(queue_timeout_s; {len(self.waiting)} requests still waiting, {self.reserved} of "
+                f"{self.engine.kv_capacity} KV tokens reserved); retry later")})
+
     def _admit_waiting(self) -> None:
         while self.waiting:
             peer_req, sink = self.waiting[0]
@@ -463,6 +511,7 @@ class Subserver(OutputProcessorMixin):
                     len(self.requests) >= self.engine.config.max_running_requests:
                 return
             self.waiting.popleft()
+            self._wait_deadline.pop(peer_req.rid, None)
             algo = self._make_algo(peer_req)
             self._admit(peer_req, sink, algo, need)
 
@@ -491,6 +540,7 @@ class Subserver(OutputProcessorMixin):
         for i, (pr, sink) in enumerate(self.waiting):
             if pr.rid == rid:
                 del self.waiting[i]
+                self._wait_deadline.pop(rid, None)
                 sink(kind, [], {"message": message})
                 return
         lr = self.requests.pop(rid, None)

@@ -29,6 +29,14 @@ router), ``finish_reason`` (``stop`` or ``length``) and the extension field
 stream, on the chunk with the ``finish_reason``). Errors use OpenAI's format
 ``{"error": {"message", "type", "param", "code"}}``.
 
+Limits (each refusal names the limit and its value; ``docs/reliability.md``): the request
+body is at most ``--max-body-bytes`` (default 4 MiB), checked on ``Content-Length`` and on
+the bytes received before the body is read whole: 413 ``request_too_large``; a chat has at
+most ``--max-messages`` messages (default 256): 400; more than ``--max-connections`` (default
+256) at once are answered 503 by uvicorn.  The router's own limits (prompt bytes,
+stop strings, ...) come back as 400 naming them.  A busy server (a full queue, a queue
+timeout: the router's Triton ``UNAVAILABLE``) is a 503 ``server_busy`` with ``Retry-After``.
+
 Chat messages (any number of turns, roles ``system``/``developer``, ``user``,
 ``assistant``; content a string or a list of text parts) are rendered with the
 tokenizer's chat template here and sent as raw text, since ``token_router``'s
@@ -59,6 +67,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from . import GRPC_URL_HELP, default_grpc_url
 
@@ -71,6 +80,14 @@ logger = logging.getLogger("tokenrouter.tools.openai_frontend")
 DEFAULT_PORT = 9000
 #: the largest seed the router accepts (torch.Generator seeds are signed 64-bit)
 MAX_SEED = 2**63 - 1
+#: default ``--max-body-bytes``: the largest request body read (413 above it)
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+#: default ``--max-messages``: the most chat messages in one request
+DEFAULT_MAX_MESSAGES = 256
+#: default ``--max-connections``: connections served at once (uvicorn's ``limit_concurrency``)
+DEFAULT_MAX_CONNECTIONS = 256
+#: start of the router's "busy" messages (tokenrouter.engine.subserver.BUSY_PREFIX)
+BUSY_PREFIX = "busy: "
 
 
 # --------------------------------------------------------------------------- errors
@@ -86,9 +103,11 @@ class OpenAIError(Exception):
     """
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
+                 param: Optional[str] = None, code: Optional[str] = None,
+                 headers: Optional[Dict[str, str]] = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> Dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}``."""
@@ -96,7 +115,7 @@ class OpenAIError(Exception):
 
     def response(self) -> JSONResponse:
         """The error as the OpenAI API sends it: ``{"error": {...}}`` with this HTTP status."""
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 class BackendError(RuntimeError):
@@ -132,6 +151,8 @@ def _backend_error(msg: str, chat: bool = False) -> OpenAIError:
     """
     prompt_param = "messages" if chat else "prompt"
     low = msg.lower()
+    if BUSY_PREFIX in msg:  # a full queue or a queue timeout: overload, not failure
+        return OpenAIError(503, msg, type="server_error", code="server_busy", headers={"Retry-After": "1"})
     if any(h in low for h in _CLIENT_ERROR_HINTS):
         m = re.search(r"parameters\.(\w+)", msg) or re.search(r"unknown keys[^\[]*\['(\w+)'", msg)
         if m:
@@ -546,7 +567,8 @@ class _State:
 
 
 def create_app(triton_url: str, *, model: str = "token_router", served_model_name: Optional[str] = None,
-               tokenizer_path: Optional[str] = None) -> FastAPI:
+               tokenizer_path: Optional[str] = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               max_messages: int = DEFAULT_MAX_MESSAGES) -> FastAPI:
     """The FastAPI application.
 
     Args:
@@ -556,6 +578,10 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
         tokenizer_path: checkpoint folder whose chat template renders chat
             messages; default: the Triton model's ``tokenizer_path`` parameter,
             resolved as the server resolves it.
+        max_body_bytes: the largest request body in bytes; a larger one is answered 413
+            before it is read whole (its ``Content-Length``, else the bytes as they arrive:
+            FastAPI's ``max_body_size``).
+        max_messages: the most chat messages in one request (400 above).
     """
     served = served_model_name or model
     st = _State(tokenizer_path=tokenizer_path)
@@ -570,8 +596,18 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
         finally:
             await st.backend.close()
 
-    app = FastAPI(title="TokenRouter OpenAI-compatible API", lifespan=lifespan)
+    app = FastAPI(title="TokenRouter OpenAI-compatible API", lifespan=lifespan, max_body_size=max_body_bytes)
     app.state.tokenrouter = st
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        if e.status_code == 413:  # FastAPI's body limit: before the body was read whole
+            size = request.headers.get("content-length")
+            return OpenAIError(413, (f"request body is {size} bytes; " if size else "request body is larger; ") +
+                               f"the limit is {max_body_bytes} bytes (--max-body-bytes)",
+                               code="request_too_large").response()
+        return OpenAIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
+                           else "server_error").response()
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_request: Request, e: OpenAIError):
@@ -670,6 +706,9 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
         if body.response_format and body.response_format.get("type") not in (None, "text"):
             raise OpenAIError(400, "response_format other than text is not supported", param="response_format",
                               code="unsupported_value")
+        if len(body.messages) > max_messages:
+            raise OpenAIError(400, f"messages has {len(body.messages)} entries; the limit is {max_messages} "
+                              f"(--max-messages)", param="messages", code="too_many_messages")
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         sp = _sampling(body, max_tokens)
         tok = await _tokenizer()
@@ -865,17 +904,29 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="on SIGINT/SIGTERM, seconds in-flight requests may still run; then they end "
                          "with a 'server is shutting down' error (streams: an error event and [DONE]) "
                          "and their Triton requests are cancelled; default 5")
+    ap.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                    help=f"largest request body in bytes; larger ones get a 413 before they are read whole "
+                         f"(default {DEFAULT_MAX_BODY_BYTES})")
+    ap.add_argument("--max-messages", type=int, default=DEFAULT_MAX_MESSAGES,
+                    help=f"most chat messages in one request (default {DEFAULT_MAX_MESSAGES})")
+    ap.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                    help="most connections and requests at once (uvicorn's limit_concurrency); more are "
+                         f"answered 503 at once, so that the bodies being read stay bounded "
+                         f"(default {DEFAULT_MAX_CONNECTIONS})")
     ap.add_argument("--exit-with-pid", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if not 0 < a.port < 65536:
         ap.error(f"--port must be 1-65535, got {a.port}")
+    if a.max_body_bytes < 1 or a.max_messages < 1 or a.max_connections < 1:
+        ap.error("--max-body-bytes, --max-messages and --max-connections must be >= 1")
     if not a.graceful_shutdown_s >= 0:
         ap.error(f"--graceful-shutdown-s must be >= 0, got {a.graceful_shutdown_s}")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
     import uvicorn
 
-    app = create_app(a.triton_url, model=a.model, served_model_name=a.served_model_name, tokenizer_path=a.tokenizer)
+    app = create_app(a.triton_url, model=a.model, served_model_name=a.served_model_name, tokenizer_path=a.tokenizer,
+                     max_body_bytes=a.max_body_bytes, max_messages=a.max_messages)
     st: _State = app.state.tokenrouter
 
     class _Server(uvicorn.Server):
@@ -885,7 +936,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     # uvicorn's own timeout is the backstop: it cancels whatever still runs 2 s after the grace
     server = _Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
-                                    timeout_graceful_shutdown=a.graceful_shutdown_s + 2.0))
+                                    timeout_graceful_shutdown=a.graceful_shutdown_s + 2.0,
+                                    limit_concurrency=a.max_connections))
     if a.exit_with_pid:
         _exit_with(a.exit_with_pid, server)
     try:

@@ -11,6 +11,14 @@ client mid-way and a fraction of malformed requests.  It then checks that
 * the server is live and still answers, and every model's KV usage and active
   requests return to zero (``stats`` op).
 
+With ``--hostile-fraction F`` that share of the requests are oversized or hostile
+(:data:`HOSTILE`: a ``--hostile-mib`` MiB prompt, 50,000 stop strings, a 10 MB stop string,
+sampling parameters nested 100,000 deep, 5,000 stop token ids); each must be refused with an error
+naming its limit ("the limit is"), and with ``--server-pid`` the stubs must neither die nor
+grow: their resident memory (RSS) at the start and end is reported, and a stub that was
+restarted during the run is a failure.  A valid request answered "busy" (the server's queues
+were full: a 503 / UNAVAILABLE naming the limit) is counted apart, as answered.
+
 With ``--kill-stub MODEL`` a killer thread also SIGKILLs that model's Triton
 Python stub (found in the process list: a ``triton_python_backend_stub`` child of
 ``--server-pid`` with ``MODEL_0_0`` in its arguments) at random intervals
@@ -22,6 +30,8 @@ Usage (server already running, e.g. ``deploy/serve --background``)::
 
     python -m tokenrouter.tools.soak --url localhost:8001 --seconds 300 --concurrency 8
     python -m tokenrouter.tools.soak --seconds 600 --kill-stub llm --kill-every 90 \
+        --server-pid "$(cat ~/.cache/tokenrouter/run/tritonserver.pid)"
+    python -m tokenrouter.tools.soak --seconds 600 --hostile-fraction 0.1 \
         --server-pid "$(cat ~/.cache/tokenrouter/run/tritonserver.pid)"
 
 Exit status 0 when every check passed, 1 otherwise (the report says which).
@@ -42,7 +52,17 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import GRPC_URL_HELP, default_grpc_url
 
-__all__ = ["run_soak", "main", "find_stub", "stub_rss_mb"]
+__all__ = ["run_soak", "main", "find_stub", "stub_rss_mb", "HOSTILE"]
+
+#: oversized and hostile inputs of ``--hostile-fraction`` (name -> what it sends); each must be
+#: refused with an error naming the limit it exceeds
+HOSTILE = {
+    "huge_prompt": "a prompt of --hostile-mib MiB (max_input_bytes)",
+    "many_stops": "50,000 stop strings (max_sampling_parameters_bytes)",
+    "long_stop": "one stop string of 10 MB (max_sampling_parameters_bytes)",
+    "deep_json": "sampling_parameters nested 100,000 levels deep (max_sampling_parameters_bytes / max_json_depth)",
+    "many_stop_ids": "5,000 stop token ids (max_stop_token_ids)",
+}
 
 PROMPTS = [
     "Explain why the sky is blue.", "Write a short poem about the sea.", "List three uses of copper.",
@@ -52,8 +72,25 @@ PROMPTS = [
 ]
 
 
+def _hostile(rng: random.Random, mib: float):
+    """(name, prompt bytes, sampling_parameters text) of one hostile input (see :data:`HOSTILE`)."""
+    name = rng.choice(sorted(HOSTILE))
+    text, sp = rng.choice(PROMPTS).encode(), json.dumps({"max_tokens": 8})
+    if name == "huge_prompt":
+        text = b"a" * int(mib * 2**20)
+    elif name == "many_stops":
+        sp = json.dumps({"max_tokens": 8, "stop": ["x"] * 50000})
+    elif name == "long_stop":
+        sp = json.dumps({"max_tokens": 8, "stop": "y" * 10**7})
+    elif name == "deep_json":
+        sp = "[" * 100000
+    elif name == "many_stop_ids":
+        sp = json.dumps({"max_tokens": 8, "stop_token_ids": [2] * 5000})
+    return name, text, sp
+
+
 def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s: float,
-         thresholds: Sequence[float]) -> Dict[str, Any]:
+         thresholds: Sequence[float], hostile_mib: float = 32.0) -> Dict[str, Any]:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -68,11 +105,15 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
         sampling = rng.choice([{"max_tokens": 0}, {"max_tokens": 4, "nonsense": 1}, {"temperature": -1}])
         if rng.random() < 0.3:
             text = b"\xff\xfe"
+    sp_text = json.dumps(sampling)
+    hostile = ""
+    if kind == "hostile":
+        hostile, text, sp_text = _hostile(rng, hostile_mib)
     ins = []
     for name, arr, dt in (("text_input", np.array([text], dtype=np.object_), "BYTES"),
                           ("stream", np.array([stream]), "BOOL"),
                           ("apply_chat_template", np.array([True]), "BOOL"),
-                          ("sampling_parameters", np.array([json.dumps(sampling).encode()], dtype=np.object_),
+                          ("sampling_parameters", np.array([sp_text.encode()], dtype=np.object_),
                            "BYTES")):
         x = grpcclient.InferInput(name, list(arr.shape), dt)
         x.set_data_from_numpy(arr)
@@ -81,7 +122,7 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
     q: "queue.Queue" = queue.Queue()
     c = grpcclient.InferenceServerClient(url)
     t0 = time.perf_counter()
-    out: Dict[str, Any] = {"kind": kind, "outcome": "", "handoffs": 0, "tokens": 0, "error": ""}
+    out: Dict[str, Any] = {"kind": kind, "outcome": "", "handoffs": 0, "tokens": 0, "error": "", "hostile": hostile}
     try:
         c.start_stream(callback=lambda result, error: q.put((result, error)))
         c.async_stream_infer(model, ins, enable_empty_final_response=True)
@@ -94,6 +135,8 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
                 return out
             if error is not None:
                 out["outcome"], out["error"] = "error", str(error)
+                if "busy: " in out["error"]:
+                    out["outcome"] = "busy"
                 return out
             chunks += 1
             if cancel_after is not None and chunks >= cancel_after:
@@ -183,7 +226,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
              router: str = "token_router", cancel_fraction: float = 0.15, bad_fraction: float = 0.05,
              plain_fraction: float = 0.2, thresholds: Sequence[float] = (0.1, 0.2, 0.3),
              request_timeout_s: float = 300.0, seed: int = 0, progress: bool = False,
-             kill_stub: str = "", kill_every_s: float = 60.0, server_pid: int = 0) -> Dict[str, Any]:
+             kill_stub: str = "", kill_every_s: float = 60.0, server_pid: int = 0,
+             hostile_fraction: float = 0.0, hostile_mib: float = 32.0) -> Dict[str, Any]:
     """Run the soak and return the report (see module docstring).
 
     Args:
@@ -198,13 +242,17 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         request_timeout_s: a request without a final answer after this long is "hung".
         kill_stub: a model whose stub is SIGKILLed at random intervals ("" = none).
         kill_every_s: mean seconds between two kills.
-        server_pid: the tritonserver's pid (required with ``kill_stub``).
+        server_pid: the tritonserver's pid (required with ``kill_stub``; with it the stubs'
+            memory is reported, and without ``kill_stub`` a stub restarted during the run fails it).
+        hostile_fraction: share of oversized / hostile requests (:data:`HOSTILE`).
+        hostile_mib: size of the oversized prompt (MiB).
 
     Returns:
         dict: ``passed`` (bool), ``problems`` (list of str), ``outcomes`` per
         kind, ``requests``, ``handoffs``, ``output_tokens``, ``seconds``,
-        ``final_stats`` per model; with ``kill_stub`` also ``kills`` and
-        ``stub_rss_mb`` (``start`` / ``end`` per model).
+        ``final_stats`` per model; with ``kill_stub`` also ``kills``; with ``server_pid``
+        ``stub_rss_mb`` (``start`` / ``end`` per model); with ``hostile_fraction``
+        ``hostile`` (outcomes per hostile input).
 
     Raises:
         ValueError: ``kill_stub`` without ``server_pid``, or no such stub.
@@ -217,10 +265,13 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     if kill_stub:
         if not server_pid or find_stub(server_pid, kill_stub) is None:
             raise ValueError(f"no stub of model {kill_stub!r} under tritonserver pid {server_pid}")
-        rss_start = stub_rss_mb(server_pid, [*models, router])
         threading.Thread(target=_killer, args=(server_pid, kill_stub, kill_every_s, kill_stop,
                                                random.Random(seed + 7), kills, progress), daemon=True).start()
 
+    pids_start: Dict[str, Optional[int]] = {}
+    if server_pid:
+        rss_start = stub_rss_mb(server_pid, [*models, router])
+        pids_start = {m: find_stub(server_pid, m) for m in [*models, router]}
     stop_at = time.monotonic() + seconds
     records: List[Dict[str, Any]] = []
     lock = threading.Lock()
@@ -231,7 +282,9 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
             x = rng.random()
             kind = ("bad" if x < bad_fraction else "cancel" if x < bad_fraction + cancel_fraction
                     else "plain" if x < bad_fraction + cancel_fraction + plain_fraction else "stream")
-            r = _one(url, router, rng, kind, request_timeout_s, thresholds)
+            if hostile_fraction and rng.random() < hostile_fraction:
+                kind = "hostile"
+            r = _one(url, router, rng, kind, request_timeout_s, thresholds, hostile_mib)
             with lock:
                 records.append(r)
                 n = len(records)
@@ -256,6 +309,11 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
             problems.append(f"a {r['kind']} request hung for {request_timeout_s:.0f} s")
         elif r["kind"] == "bad" and r["outcome"] != "error":
             problems.append(f"a malformed request was not rejected: {r}")
+        elif r["kind"] == "hostile" and not (r["outcome"] == "error" and "the limit is" in r["error"]):
+            problems.append(f"a hostile request ({r['hostile']}) was not refused naming its limit: "
+                            f"{r['outcome']} {r['error'][:200]}")
+        elif r["kind"] in ("stream", "plain") and r["outcome"] == "busy":
+            pass  # overload answered as overload
         elif r["kind"] in ("stream", "plain") and r["outcome"] != "ok" and not (
                 kill_stub and r["outcome"] == "error" and _down_error(r["error"])):
             problems.append(f"a valid {r['kind']} request failed: {r['outcome']} {r['error'][:200]}")
@@ -289,10 +347,22 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     except Exception as e:  # noqa: BLE001
         problems.append(f"server unreachable after the soak: {e}")
     extra: Dict[str, Any] = {}
+    if server_pid:
+        extra["stub_rss_mb"] = {"start": rss_start, "end": stub_rss_mb(server_pid, [*models, router])}
+        if not kill_stub:
+            restarted = [m for m, pid in pids_start.items() if find_stub(server_pid, m) != pid]
+            if restarted:
+                problems.append(f"stubs died or were restarted during the soak: {restarted}")
     if kill_stub:
-        extra = {"kills": kills, "stub_rss_mb": {"start": rss_start,
-                                                  "end": stub_rss_mb(server_pid, [*models, router])},
-                 "down_errors": sum(1 for r in records if r["outcome"] == "error" and _down_error(r["error"]))}
+        extra.update({"kills": kills,
+                      "down_errors": sum(1 for r in records if r["outcome"] == "error" and _down_error(r["error"]))})
+    if hostile_fraction:
+        hostile: Dict[str, Counter] = {}
+        for r in records:
+            if r["kind"] == "hostile":
+                hostile.setdefault(r["hostile"], Counter())[r["outcome"]] += 1
+        extra["hostile"] = {k: dict(v) for k, v in hostile.items()}
+    extra["busy"] = sum(1 for r in records if r["outcome"] == "busy")
     return {**extra, "passed": not problems, "problems": problems[:50],
             "outcomes": {k: dict(v) for k, v in outcomes.items()}, "requests": len(records),
             "handoffs": sum(r["handoffs"] for r in records),
@@ -324,7 +394,12 @@ def main(argv=None) -> int:
     ap.add_argument("--kill-stub", default="", metavar="MODEL",
                     help="SIGKILL this model's Triton stub at random intervals (needs --server-pid)")
     ap.add_argument("--kill-every", type=float, default=60.0, help="mean seconds between two kills")
-    ap.add_argument("--server-pid", type=int, default=0, help="pid of the tritonserver (for --kill-stub)")
+    ap.add_argument("--server-pid", type=int, default=0,
+                    help="pid of the tritonserver (for --kill-stub; with it the stubs' memory is reported)")
+    ap.add_argument("--hostile-fraction", type=float, default=0.0,
+                    help="share of oversized / hostile requests mixed into the traffic, each of which must be "
+                         "refused naming its limit")
+    ap.add_argument("--hostile-mib", type=float, default=32.0, help="size of the oversized prompt (MiB)")
     a = ap.parse_args(argv)
     if a.kill_stub and not a.server_pid:
         ap.error("--kill-stub needs --server-pid (the tritonserver whose stub is killed)")
@@ -332,7 +407,8 @@ def main(argv=None) -> int:
                    router=a.router, cancel_fraction=a.cancel_fraction, bad_fraction=a.bad_fraction,
                    thresholds=[float(x) for x in a.thresholds.split(",") if x.strip()],
                    request_timeout_s=a.request_timeout, seed=a.seed, progress=True,
-                   kill_stub=a.kill_stub, kill_every_s=a.kill_every, server_pid=a.server_pid)
+                   kill_stub=a.kill_stub, kill_every_s=a.kill_every, server_pid=a.server_pid,
+                   hostile_fraction=a.hostile_fraction, hostile_mib=a.hostile_mib)
     print(json.dumps(rep, indent=2))
     print("soak: PASSED" if rep["passed"] else "soak: FAILED")
     return 0 if rep["passed"] else 1

@@ -119,5 +119,7 @@ def llm_settings(params: Dict[str, str]):
         stream_interval=max(1, param(params, "stream_interval", 1, int)),
         readmit_on_resume=param(params, "readmit_on_resume", False, bool),
         prefill_chunk_tokens=param(params, "prefill_chunk_tokens", 512, int),
+        queue_timeout_s=param(params, "queue_timeout_s", 60.0, float),
+        max_queued_requests=param(params, "max_queued_requests", 256, int),
     )
     return engine, sched  # ranges: SubserverConfig checks them (ValueError naming the parameter)

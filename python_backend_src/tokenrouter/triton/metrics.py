@@ -22,6 +22,10 @@ Counters
                                                   running; ``invalid``: bad input; ``refused``: a model it
                                                   needs is down or the server is shutting down)
     ``tokenrouter:handoffs_total``                labels ``from``, ``to``
+    ``tokenrouter:request_busy_total``            requests answered "busy" (Triton UNAVAILABLE, HTTP 503),
+                                                  label ``reason`` (``queue_full``: the router's or a model's
+                                                  queue was full; ``queue_timeout``: the request waited past
+                                                  its queue timeout); not counted as failures
 Gauges
     ``tokenrouter:num_requests_running``          requests being driven through the models
     ``tokenrouter:num_requests_waiting``          accepted, waiting for a router worker
@@ -43,11 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = ["RouterMetrics", "RequestObservation", "observe_request", "METRIC_NAMES",
-           "TTFT_BUCKETS", "TPOT_BUCKETS", "E2E_BUCKETS", "HANDOFF_BUCKETS", "FAILURE_REASONS"]
+           "TTFT_BUCKETS", "TPOT_BUCKETS", "E2E_BUCKETS", "HANDOFF_BUCKETS", "FAILURE_REASONS", "BUSY_REASONS"]
 
 PREFIX = "tokenrouter:"
 #: ``reason`` label values of ``request_failure_total``
 FAILURE_REASONS = ("cancelled", "error", "invalid", "refused")
+#: ``reason`` label values of ``request_busy_total``
+BUSY_REASONS = ("queue_full", "queue_timeout")
 #: vllm_backend's buckets (vLLM's ``Metrics``), seconds
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -75,6 +81,7 @@ _FAMILIES: Dict[str, Tuple[str, str, Optional[List[float]]]] = {
     "request_success_total": ("COUNTER", "Requests finished, by finish reason", None),
     "request_failure_total": ("COUNTER", "Requests cancelled or failed", None),
     "handoffs_total": ("COUNTER", "Handoffs between models, by pair", None),
+    "request_busy_total": ("COUNTER", "Requests answered busy (a full queue or a queue timeout)", None),
     "num_requests_running": ("GAUGE", "Requests being driven through the models", None),
     "num_requests_waiting": ("GAUGE", "Requests waiting for a router worker", None),
 }
@@ -171,6 +178,8 @@ class RouterMetrics:
             self._get("request_success_total", finished_reason=reason)
         for reason in FAILURE_REASONS:
             self._get("request_failure_total", reason=reason)
+        for reason in BUSY_REASONS:
+            self._get("request_busy_total", reason=reason)
         for m in models:
             self._get("generation_tokens_total", writer=m)
         for a in models:
@@ -216,6 +225,10 @@ class RouterMetrics:
     def record_failure(self, reason: str) -> None:
         """Count a request that ended without a result (one of :data:`FAILURE_REASONS`)."""
         self._get("request_failure_total", reason=reason).increment(1.0)
+
+    def record_busy(self, reason: str) -> None:
+        """Count a request answered "busy" (one of :data:`BUSY_REASONS`)."""
+        self._get("request_busy_total", reason=reason).increment(1.0)
 
     def set_load(self, running: int, waiting: int) -> None:
         """Set the running / waiting gauges (only when they changed: each set is an IPC)."""

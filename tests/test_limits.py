@@ -1,0 +1,290 @@
+"""Input limits and overload answers against a real server (docs/reliability.md, "Limits").
+
+Oversized and hostile inputs at each entry -- Triton's HTTP generate endpoint, a gRPC
+stream, the OpenAI front end -- are refused with an error naming the limit, before any
+work that grows with the input: the stubs' resident memory does not jump, and a healthy
+stream running at the same time completes.  A flood of legal requests on a server with a
+small KV pool and a short queue is answered with results or "busy" (Triton's UNAVAILABLE, a
+message starting "busy: " and naming the limit; a 503 from the OpenAI front end), never with
+a dead-peer error or a 600 s wait.
+
+The server here is the demo repository with a small KV pool and short queues on the
+models (``KV_POOL``, ``MODEL_QUEUE``), and a short router queue timeout (``QUEUE_TIMEOUT_S``).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import requests
+
+from tr_client import grpc_stream, metric_values, wait_kv_released
+from tritonserver import TritonServer
+
+pytestmark = pytest.mark.server
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: KV pool of each model (tokens): two flood requests fit at once
+KV_POOL = 1024
+#: requests that may wait for KV on a model; more are refused at once as busy
+MODEL_QUEUE = 2
+#: seconds a request may wait in a queue (router and models)
+QUEUE_TIMEOUT_S = 3
+#: what an oversized input is in these tests (the issue's were 100-200 MiB; the limits are
+#: checked on the size, so a smaller one shows the same path without taking the host's memory)
+BIG = 16 * 1024 * 1024
+#: growth of a stub's resident memory allowed across a refused oversized request: the input
+#: itself passes through the stub once (Triton's shared memory and one bytes copy); tokenising
+#: or parsing it (what the limits prevent) took about 80 bytes per input byte
+RSS_MARGIN = 8 * BIG
+HEALTHY = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
+#: HTTP status of Triton 2.51's generate endpoint for any error a model answers (its code is not mapped)
+TRITON_GENERATE_ERROR_STATUS = 400
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tokenrouter.tools.repository import make_variant
+
+    work = tmp_path_factory.mktemp("limits")
+    model = {"kv_pool_tokens": KV_POOL, "max_queued_requests": MODEL_QUEUE, "queue_timeout_s": QUEUE_TIMEOUT_S}
+    repo = make_variant(str(REPO_ROOT / "model_repository"), str(work / "repo"), model_params={
+        "slm": model, "llm": model, "token_router": {"queue_timeout_s": QUEUE_TIMEOUT_S}})
+    s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
+                     log_path=work / "tritonserver.log")
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _stub_rss(server) -> dict:
+    """{model instance: VmRSS in bytes} of the Python stubs of ``server``."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
+            status = Path(f"/proc/{d}/status").read_text()
+        except OSError:
+            continue
+        if not argv[0].endswith(b"triton_python_backend_stub") or len(argv) < 9:
+            continue
+        if int(re.search(r"^PPid:\s+(\d+)", status, re.M).group(1)) != server.process.pid:
+            continue
+        m = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
+        if m:
+            out[argv[8].decode()] = int(m.group(1)) * 1024
+    return out
+
+
+class _Healthy:
+    """A streamed request running in a thread while the hostile ones arrive."""
+
+    def __init__(self, server):
+        self.out = None
+        self.thread = threading.Thread(target=self._run, args=(server,), daemon=True)
+        self.thread.start()
+
+    def _run(self, server):
+        self.out = grpc_stream(server, "Write a short story about a lighthouse keeper.", HEALTHY, timeout=300)
+
+    def check(self):
+        self.thread.join(300)
+        assert self.out is not None and self.out["error"] is None, self.out
+        assert self.out.get("finish_reason") == "length" and self.out.get("num_output_tokens") == 48, self.out
+
+
+def _assert_rss_flat(before: dict, after: dict) -> None:
+    assert set(before) == set(after), (before, after)  # no stub died (and none restarted)
+    grown = {m: after[m] - before[m] for m in before}
+    assert all(g < RSS_MARGIN for g in grown.values()), {m: f"{g / 2**20:.0f} MiB" for m, g in grown.items()}
+
+
+def _generate(server, body: dict) -> requests.Response:
+    return requests.post(f"http://{server.http_url}/v2/models/token_router/generate", json=body, timeout=120)
+
+
+def test_http_generate_refuses_oversized_and_hostile_inputs(server):
+    healthy = _Healthy(server)
+    before = _stub_rss(server)
+    cases = [
+        ({"text_input": "a" * BIG}, r"text_input is 16777216 bytes; the limit is \d+ \(max_input_bytes\)"),
+        ({"text_input": "hi", "sampling_parameters": json.dumps({"stop": ["x"] * 50000})},
+         r"sampling_parameters is \d+ bytes; the limit is 65536 \(max_sampling_parameters_bytes\)"),
+        ({"text_input": "hi", "sampling_parameters": json.dumps({"stop": ["x"] * 17})},
+         r"stop has 17 strings; the limit is 16 \(max_stop_strings\)"),
+        ({"text_input": "hi", "sampling_parameters": json.dumps({"stop": "y" * 2000})},
+         r"stop has a string of 2000 bytes; the limit is 1024 \(max_stop_string_bytes\)"),
+        ({"text_input": "hi", "sampling_parameters": "[" * 60000},
+         r"nested 60000 levels deep; the limit is 8 \(max_json_depth\)"),
+        ({"text_input": "hi", "sampling_parameters": json.dumps({"stop_token_ids": [1] * 2000})},
+         r"stop_token_ids has 2000 ids; the limit is 1024 \(max_stop_token_ids\)"),
+        # the request's "parameters" (read when sampling_parameters is absent): the same limits
+        ({"text_input": "hi", "parameters": {"stop": json.dumps(["x"] * 17)}},
+         r"parameters.stop has 17 strings; the limit is 16 \(max_stop_strings\)"),
+    ]
+    for body, pattern in cases:
+        r = _generate(server, body)
+        assert r.status_code == 400, (pattern, r.status_code, r.text[:300])
+        assert re.search(pattern, r.json()["error"]), (pattern, r.text[:300])
+    _assert_rss_flat(before, _stub_rss(server))
+    healthy.check()
+
+
+def test_grpc_stream_refuses_oversized_input(server):
+    healthy = _Healthy(server)
+    before = _stub_rss(server)
+    out = grpc_stream(server, "b" * BIG, {"max_tokens": 4})
+    assert out["error"] and re.search(r"text_input is 16777216 bytes; the limit is \d+ \(max_input_bytes\)",
+                                      out["error"]), out["error"][:300]
+    out = grpc_stream(server, "hi", {"stop": ["z" * 5000]})
+    assert out["error"] and "(max_stop_string_bytes)" in out["error"], out["error"][:300]
+    _assert_rss_flat(before, _stub_rss(server))
+    healthy.check()
+
+
+def test_request_that_can_never_fit_the_kv_pool_is_refused_at_once(server):
+    """A prompt + max_tokens beyond the model's KV pool (but within the context) is a 400 naming the
+    pool, not a wait: it could never be admitted."""
+    r = _generate(server, {"text_input": "hello " * 200, "sampling_parameters": json.dumps({"max_tokens": 1000})})
+    assert r.status_code == 400, r.text
+    assert f"has {KV_POOL} in its pool" in r.json()["error"], r.text
+
+
+def test_flood_is_answered_with_results_or_busy(server):
+    """More concurrent requests than the KV pool holds and the queues take: each gets its result
+    or "busy" naming the limit that ran out, none another error."""
+    busy_before = sum(metric_values(server, "tokenrouter:request_busy_total").values()) if metric_values(
+        server, "tokenrouter:request_busy_total") else 0.0
+    prompt = "Tell me about the history of the printing press. " * 25  # about 250 tokens
+    sampling = json.dumps({"max_tokens": 150, "temperature": 0, "ignore_eos": True})
+    results = [None] * 10
+
+    def one(i):
+        results[i] = _generate(server, {"text_input": prompt, "sampling_parameters": sampling})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    ok = [r for r in results if r.status_code == 200]
+    busy = [r for r in results if r.status_code != 200]
+    assert ok and busy, [r.status_code for r in results]
+    for r in busy:
+        # Triton 2.51's generate endpoint answers every error of a model with HTTP 400, whatever
+        # its code (the router's is UNAVAILABLE); "busy: " tells overload apart from bad input
+        assert r.status_code == TRITON_GENERATE_ERROR_STATUS, (r.status_code, r.text[:300])
+        msg = r.json()["error"]
+        assert msg.startswith("busy: ") and re.search(r"max_queued_requests|queue_timeout_s", msg), msg
+    busy_after = sum(metric_values(server, "tokenrouter:request_busy_total").values())
+    assert busy_after - busy_before >= len(busy), (busy_before, busy_after, len(busy))
+    st = wait_kv_released(server)
+    assert all(s["kv_tokens_in_use"] == 0 for s in st.values()), st
+
+
+# ------------------------------------------------------------------ OpenAI front end
+@pytest.fixture(scope="module")
+def frontend(server, tmp_path_factory):
+    from test_openai import _start_frontend, _stop
+
+    proc, base = _start_frontend(server, tmp_path_factory.mktemp("openai_limits") / "frontend.log",
+                                 "--max-body-bytes", str(1024 * 1024), "--max-messages", "64")
+    try:
+        yield base, proc
+    finally:
+        _stop(proc)
+
+
+def _proc_rss(pid: int) -> int:
+    return int(re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M).group(1)) * 1024
+
+
+def _openai_error(status: int, body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    return err
+
+
+def test_openai_frontend_refuses_oversized_bodies_before_reading_them(server, frontend):
+    base, proc = frontend
+    host, port = base.removeprefix("http://").split(":")
+    healthy = _Healthy(server)
+    before, fe_before = _stub_rss(server), _proc_rss(proc.pid)
+
+    # a Content-Length over the limit: answered before the body is sent (only 1 KiB of it is)
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest("POST", "/v1/completions")
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(BIG))
+    conn.endheaders()
+    conn.send(b'{"model": "token_router", "prompt": "' + b"a" * 1024)
+    r = conn.getresponse()
+    err = _openai_error(r.status, r.read())
+    conn.close()
+    assert r.status == 413 and err["code"] == "request_too_large", err
+    assert f"request body is {BIG} bytes; the limit is 1048576 bytes (--max-body-bytes)" == err["message"], err
+
+    # no Content-Length (chunked): counted as it arrives
+    def chunks():
+        yield b'{"model": "token_router", "prompt": "'
+        for _ in range(BIG // 65536):
+            yield b"a" * 65536
+        yield b'"}'
+
+    r = requests.post(base + "/v1/completions", data=chunks(), headers={"Content-Type": "application/json"},
+                      timeout=120)
+    assert r.status_code == 413 and _openai_error(r.status_code, r.content)["code"] == "request_too_large", r.text
+
+    # too many messages, and limits of the router named through the front end
+    r = requests.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": "token_router", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}] * 65})
+    err = _openai_error(r.status_code, r.content)
+    assert r.status_code == 400 and err["param"] == "messages" and "the limit is 64 (--max-messages)" in \
+        err["message"], err
+    r = requests.post(base + "/v1/completions", timeout=60, json={
+        "model": "token_router", "prompt": "hi", "max_tokens": 4, "stop": ["s"] * 17})
+    err = _openai_error(r.status_code, r.content)
+    assert r.status_code == 400 and err["param"] == "stop" and "(max_stop_strings)" in err["message"], err
+    r = requests.post(base + "/v1/completions", timeout=60, json={
+        "model": "token_router", "prompt": "c" * (1000 * 1024), "max_tokens": 4})
+    err = _openai_error(r.status_code, r.content)
+    assert r.status_code == 400 and err["param"] == "prompt" and "(max_input_bytes)" in err["message"], err
+
+    _assert_rss_flat(before, _stub_rss(server))
+    assert _proc_rss(proc.pid) - fe_before < RSS_MARGIN, (fe_before, _proc_rss(proc.pid))
+    healthy.check()
+
+
+def test_openai_frontend_answers_busy_as_503(server, frontend):
+    """A flood through the front end: each request gets its completion or a 503 ``server_busy``."""
+    base, _ = frontend
+    prompt = "Explain how a steam engine works, step by step. " * 25
+    results = [None] * 8
+
+    def one(i):
+        results[i] = requests.post(base + "/v1/completions", timeout=300, json={
+            "model": "token_router", "prompt": prompt, "max_tokens": 150, "temperature": 0, "ignore_eos": True})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(results))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    codes = [r.status_code for r in results]
+    assert set(codes) <= {200, 503} and 503 in codes, [(r.status_code, r.text[:200]) for r in results]
+    for r in results:
+        if r.status_code == 503:
+            err = _openai_error(503, r.content)
+            assert err["code"] == "server_busy" and err["message"].startswith("busy: "), err
+            assert r.headers.get("Retry-After") == "1"
+    wait_kv_released(server)
