@@ -40,7 +40,8 @@ Rules:
   ~5 s where the exact chain is too large and the search races simulations, e.g. N ≥ 16 on
   CPU step times) defers the next one by 3 d.
 
-Config parameters of the router (``parameters`` in its config.pbtxt): ``online_adaptation``
+Config parameters of the router (``parameters`` in its config.pbtxt; read, with the metric families,
+by the Triton glue :mod:`tokenrouter.triton.online`): ``online_adaptation``
 (``true``/``false``, default false), ``online_interval_s`` (default 2), ``online_window_s``
 (default 30), ``online_fixed_thresholds`` (JSON, e.g. ``{"slm": 1}``: B_i held fixed),
 ``online_prior_profile`` (path of a PROFILE.json), ``online_quantum_s`` (default: automatic),
@@ -52,7 +53,6 @@ L_i are re-estimated, default 50).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -75,7 +75,8 @@ SOLVE_CPU_SHARE = 0.25
 
 @dataclasses.dataclass
 class OnlineSettings:
-    """The router's ``online_*`` config parameters (module docstring).
+    """The router's ``online_*`` config parameters (module docstring), read and checked by
+    :func:`tokenrouter.triton.online.online_settings`.
 
     Attributes:
         enabled: ``online_adaptation``.
@@ -97,61 +98,6 @@ class OnlineSettings:
     min_gain: float = 0.02
     min_request_steps: int = 50
 
-    @classmethod
-    def from_parameters(cls, params: Mapping[str, str], models: List[str]) -> "OnlineSettings":
-        """Read and check the ``online_*`` parameters of a router config.
-
-        Raises:
-            ValueError: a malformed value, naming the parameter (the router then fails to load).
-        """
-        from ..triton.common import param
-
-        s = cls(enabled=param(params, "online_adaptation", False, bool),
-                interval_s=param(params, "online_interval_s", 2.0, float),
-                window_s=param(params, "online_window_s", 30.0, float),
-                min_gain=param(params, "online_min_gain", 0.02, float),
-                min_request_steps=param(params, "online_min_request_steps", 50, int))
-        for key, v in (("online_interval_s", s.interval_s), ("online_window_s", s.window_s)):
-            if not (math.isfinite(v) and v > 0):
-                raise ValueError(f"config parameter {key!r} must be a number of seconds > 0, got {v}")
-        if not (math.isfinite(s.min_gain) and s.min_gain >= 0):
-            raise ValueError(f"config parameter 'online_min_gain' must be >= 0, got {s.min_gain}")
-        if s.min_request_steps < 1:
-            raise ValueError(f"config parameter 'online_min_request_steps' must be >= 1, got {s.min_request_steps}")
-        q = param(params, "online_quantum_s", "auto")
-        if str(q).strip().lower() != "auto":
-            try:
-                s.quantum_s = float(q)
-            except ValueError:
-                raise ValueError(f"config parameter 'online_quantum_s' must be 'auto' or seconds, got {q!r}") from None
-            if not (math.isfinite(s.quantum_s) and s.quantum_s > 0):
-                raise ValueError(f"config parameter 'online_quantum_s' must be > 0, got {q!r}")
-        raw = param(params, "online_fixed_thresholds", "")
-        if raw:
-            try:
-                fixed = json.loads(raw)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"config parameter 'online_fixed_thresholds' is not JSON: {e}") from None
-            if not isinstance(fixed, dict) or any(
-                    m not in models or isinstance(b, bool) or not isinstance(b, int) or b < 1 for m, b in fixed.items()):
-                raise ValueError("config parameter 'online_fixed_thresholds' must be a JSON object "
-                                 f"{{model: integer B >= 1}} over the router's models {models}, got {raw!r}")
-            s.fixed_thresholds = fixed
-        path = param(params, "online_prior_profile", "")
-        if path:
-            from scheduler_model.errors import ProfileError
-            from scheduler_model.profile import load_profile
-
-            try:
-                prof = load_profile(path)
-            except ProfileError as e:
-                raise ValueError(f"config parameter 'online_prior_profile': {e}") from None
-            missing = [m for m in models if m not in prof.get("models", [])]
-            if missing:
-                raise ValueError(f"config parameter 'online_prior_profile': {path} lacks the models {missing}")
-            s.prior_profile = prof
-        return s
-
 
 def auto_quantum_s(step_latencies: Mapping[str, List[float]]) -> Optional[float]:
     """δ for the DTMC from observed step latencies (s): a tenth of the smallest per-model median,
@@ -168,35 +114,6 @@ def auto_quantum_s(step_latencies: Mapping[str, List[float]]) -> Optional[float]
     return 1e-4 * 2 ** math.floor(math.log2(x / 1e-4) + 1e-9)
 
 
-class _Metrics:
-    """The adaptation's metric families (created and used on the thread allowed to call pb_utils)."""
-
-    def __init__(self, pb, router: str, models: List[str]):
-        G, C = pb.MetricFamily.GAUGE, pb.MetricFamily.COUNTER
-        fam = {
-            "B": ("tokenrouter_batch_threshold", "delayed-batching threshold B_i the model uses now "
-                  "(online B* adaptation)", G),
-            "solves": ("tokenrouter_batch_threshold_solves_total", "B* re-solves of the online adaptation", C),
-            "changes": ("tokenrouter_batch_threshold_changes_total", "adaptation rounds that changed some "
-                        "model's threshold", C),
-            "T": ("tokenrouter_batch_threshold_predicted_tokens_per_s", "throughput the last B* solve predicts "
-                  "for the thresholds in use (tokens/s)", G),
-            "N": ("tokenrouter_batch_threshold_concurrency", "concurrency N the last B* solve used", G),
-        }
-        self._families = {k: pb.MetricFamily(name=n, description=d, kind=kind) for k, (n, d, kind) in fam.items()}
-        self.threshold = {m: self._families["B"].Metric(labels={"model": m, "router": router}) for m in models}
-        self.solves = self._families["solves"].Metric(labels={"router": router})
-        self.changes = self._families["changes"].Metric(labels={"router": router})
-        self.predicted = self._families["T"].Metric(labels={"router": router})
-        self.concurrency = self._families["N"].Metric(labels={"router": router})
-
-    def close(self) -> None:
-        """Free the metric objects while the stub is alive (see triton_llm.finalize)."""
-        self.threshold.clear()
-        self.solves = self.changes = self.predicted = self.concurrency = None
-        self._families.clear()
-
-
 class OnlineBStar:
     """The router's adaptation thread (module docstring).
 
@@ -204,14 +121,16 @@ class OnlineBStar:
         settings: :class:`OnlineSettings` (``enabled`` must be true).
         models: the router's models, deployment order.
         router: the router's model name (metric label).
-        peers: the router's :class:`~tokenrouter.routing.peer_channel.PeerClient` (``call`` is thread-safe).
+        peers: the router's :class:`~tokenrouter.routing.peer.PeerClient` (``call`` is thread-safe).
         live_requests: callable → number of requests the router is driving now.
         on_io: callable(fn) running ``fn`` on the router's client-I/O thread.
-        pb: ``triton_python_backend_utils`` (metric families), or None for no metrics.
+        metrics: the adaptation's metrics (:class:`tokenrouter.triton.online.OnlineMetrics`:
+            ``threshold[model]``, ``solves``, ``changes``, ``predicted``, ``concurrency``, ``close()``;
+            used on the client-I/O thread only), or None for no metrics.
     """
 
     def __init__(self, settings: OnlineSettings, models: List[str], router: str, peers,
-                 live_requests: Callable[[], int], on_io: Callable[[Callable[[], None]], None], pb=None):
+                 live_requests: Callable[[], int], on_io: Callable[[Callable[[], None]], None], metrics=None):
         from scheduler_model.online import OnlineAdapter
 
         self.settings = settings
@@ -236,7 +155,7 @@ class OnlineBStar:
         self._next_solve = 0.0  # monotonic time before which no solve starts (SOLVE_CPU_SHARE)
         self._published: Dict[str, int] = {}  # thresholds the gauges show
         self._errors_logged: set = set()
-        self._metrics = _Metrics(pb, router, self.models) if pb is not None else None
+        self._metrics = metrics
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="router-online-bstar", daemon=True)
 
@@ -389,7 +308,7 @@ class OnlineBStar:
             return
         self._published = now
 
-        def publish(mt: _Metrics) -> None:
+        def publish(mt) -> None:
             for m, b in now.items():
                 mt.threshold[m].set(float(b))
 
@@ -407,7 +326,7 @@ class OnlineBStar:
             logger.debug("online B*: no wait bound: %s", e)
             return None
 
-    def _io(self, fn: Callable[[_Metrics], Any]) -> None:
+    def _io(self, fn: Callable[[Any], Any]) -> None:
         """Run ``fn(metrics)`` on the client-I/O thread (nothing without metrics)."""
         if self._metrics is None:
             return
