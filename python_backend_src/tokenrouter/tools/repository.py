@@ -26,7 +26,7 @@ import shutil
 from typing import Dict, Iterable, List, Mapping, Optional
 
 __all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_variant", "add_router",
-           "parse_settings", "serving_params", "check_routing"]
+           "parse_settings", "serving_params", "check_routing", "check_tokenizers", "DEFAULT_PAIR"]
 
 #: parameter overrides per demo pair (model name -> config parameters)
 PAIRS: Dict[str, Dict[str, Dict[str, str]]] = {
@@ -188,6 +188,44 @@ def check_routing(name: str, params: Mapping[str, object], base_cfg) -> None:
         raise ValueError(f"router {name}: {e}") from None
 
 
+def check_tokenizers(repo: str) -> None:
+    """Check that every router of ``repo`` routes between models that share its tokenizer.
+
+    Each router's ``tokenizer_path`` is compared with the ``model_path`` of each of its
+    ``models`` that ``repo`` holds (remote models are checked by their own server), with
+    :func:`tokenrouter.engine.tokenizer_check.tokenizer_difference`.
+
+    Raises:
+        ValueError: two tokenizers differ (the message names the router, the models and the
+            first difference).
+        FileNotFoundError: a model's checkpoint folder is missing.
+    """
+    from ..engine.tokenizer_check import tokenizer_difference
+    from ..triton.common import resolve_model_path
+
+    def param(cfg, key: str, default: str) -> str:
+        return cfg.parameters[key].string_value if key in cfg.parameters else default
+
+    default_path = "smollm2-135m-instruct"  # the parameters' default (triton/common)
+    seen: Dict[tuple, Optional[str]] = {}
+    for name in sorted(os.listdir(repo)):
+        if not os.path.isfile(os.path.join(repo, name, "config.pbtxt")) or not _is_router(repo, name):
+            continue
+        cfg = read_config(os.path.join(repo, name, "config.pbtxt"))
+        tok = resolve_model_path(param(cfg, "tokenizer_path", default_path))
+        for m in (x.strip() for x in param(cfg, "models", "slm,llm").split(",") if x.strip()):
+            path = os.path.join(repo, m, "config.pbtxt")
+            if not os.path.isfile(path):
+                continue
+            model = resolve_model_path(param(read_config(path), "model_path", default_path))
+            key = (os.path.realpath(tok), os.path.realpath(model))
+            if key[0] != key[1] and key not in seen:
+                seen[key] = tokenizer_difference(tok, model)
+            if seen.get(key):
+                raise ValueError(f"router {name} cannot route to model {m}: its tokenizer ({tok}) and "
+                                 f"the model's ({model}) differ: {seen[key]}")
+
+
 def _is_router(src: str, model: str) -> bool:
     cfg = read_config(os.path.join(src, model, "config.pbtxt"))
     return "role" in cfg.parameters and cfg.parameters["role"].string_value == "router"
@@ -325,7 +363,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         for m, p in parse_settings(a.set).items():
             params.setdefault(m, {}).update(p)
         make_variant(a.src, a.out, a.pair, model_params=params, routers=routers)
-    except (ValueError, FileExistsError) as e:
+        check_tokenizers(a.out)
+    except (ValueError, FileExistsError, FileNotFoundError) as e:
         ap.error(str(e))
     print(a.out)
     return 0

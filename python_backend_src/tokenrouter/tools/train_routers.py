@@ -201,8 +201,9 @@ def main(argv=None) -> int:
     """Command line entry point (see module docstring); returns the exit status."""
     wdir = os.environ.get("TOKENROUTER_WEIGHTS") or os.path.expanduser("~/.cache/tokenrouter/weights")
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.train_routers", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--slm", default=os.path.join(wdir, "smollm2-135m-instruct"), help="served SLM checkpoint")
-    ap.add_argument("--llm", default=None, help="LLM checkpoint (default: the SLM's -- the demo pair)")
+    ap.add_argument("--slm", default="smollm2-135m-instruct",
+                    help="served SLM checkpoint: a folder, or a name under the weights folder")
+    ap.add_argument("--llm", default=None, help="LLM checkpoint, as --slm (default: the SLM's -- the demo pair)")
     ap.add_argument("--label-slm", choices=("auto", "served", "fakequant"), default="auto",
                     help="labelling SLM: auto = fakequant when SLM == LLM, else served")
     ap.add_argument("--bits", type=int, default=4, help="fake-quantisation bits of the labelling SLM")
@@ -212,6 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the models' dtype; match the served one (the qwen-coder pair: bfloat16 where the "
                     "CPU has native bf16)")
+    ap.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts of the files (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--out", default=ROUTERS_DIR, help="output folder")
     ap.add_argument("--name", default="smollm2-135m", help="file suffix: <kind>_<name>.pt")
@@ -226,6 +228,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
+    for attr in ("slm", "llm"):  # a name (deploy/prepare_weights.py's folders) or a path
+        v = getattr(a, attr)
+        if v and not os.path.isdir(v):
+            setattr(a, attr, os.path.join(wdir, v))
     torch.manual_seed(a.seed)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -245,6 +251,8 @@ def main(argv=None) -> int:
         label_slm = slm
         label_desc = "the served SLM"
     prompts = [p for path in a.prompts for p in load_prompts(path)]
+    if a.max_prompts:
+        prompts = prompts[: a.max_prompts]
     data = collect(slm, llm, label_slm, tok, prompts, a.max_new_tokens)
     t_data = time.time() - t0
     n = len(data["diff"])
