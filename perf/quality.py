@@ -47,7 +47,9 @@ from a quality run, not a steady-state benchmark: use ``perf/bench_matrix.py`` f
 
 **Cache**: ``--out``/<pair>/<point>.json (default perf/results/quality/) holds the point's
 settings, its runs (wall time, tokens) and one record per problem (completion, passed, result,
-output tokens, LLM tokens, handoffs, finish reason, TTFT and e2e latency, input tokens).
+output tokens, LLM tokens, handoffs, finish reason, TTFT and e2e latency, input tokens).  Each
+answer is saved as it arrives (``unscored``) and scored once the point's generation ends, or by
+the next command when this one was stopped.
 A command runs only the problems a point lacks (``--resume``, the default; ``--force`` redoes
 them); a cache written with other settings (max_tokens, prompt format, limits, pair) is an
 error naming the difference.  The table and the plot cover every cached point of the pair
@@ -82,8 +84,8 @@ import sys
 import tempfile
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -416,7 +418,8 @@ def load_cache(path: str, point: Point, settings: Mapping[str, Any], force: bool
         ValueError: the cache was written with other settings (the message names them).
     """
     fresh = {"point": point.name, "algorithm": point.algorithm, "params": point.params,
-             "routing_threshold": point.threshold, "settings": dict(settings), "runs": [], "problems": {}}
+             "routing_threshold": point.threshold, "settings": dict(settings), "runs": [], "problems": {},
+             "unscored": {}}
     if force or not os.path.exists(path):
         return fresh
     with open(path, encoding="utf-8") as f:
@@ -472,39 +475,62 @@ def generate_one(url: str, router: str, prompt: str, sampling: Dict[str, Any],
             "ttft_s": (first[0] - t0) if first else float("nan"), "e2e_s": t1 - t0}
 
 
-def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompts: Mapping[str, str],
-              args) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
+def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompts: Mapping[str, str], args,
+              on_answer: Optional[Callable[[str, Dict[str, Any]], None]] = None
+              ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
     """Generate every problem of ``problems`` at ``point`` with ``args.concurrency`` closed-loop
-    clients, then score the completions (after the generation, so the tests do not share the
-    cores with the server while it is timed).
+    clients (unscored: :func:`score_answers` runs the tests afterwards, so that they do not share
+    the cores with the server while it is timed).
+
+    Args:
+        on_answer: called with ``(task id, answer)`` as each answer arrives (in this thread).
 
     Returns:
-        ``(records by task id, run)``: a record per problem that got an answer; ``run`` holds
-        ``problems``, ``errors`` (messages of the failed requests, retried by a later command),
-        ``wall_s``, ``output_tokens`` and ``concurrency``.
+        ``(answers by task id, run)``: :func:`generate_one`'s dict per problem that got an answer;
+        ``run`` holds ``problems``, ``errors`` (messages of the failed requests, retried by a later
+        command), ``wall_s`` (first request sent to last answer), ``output_tokens`` and ``concurrency``.
     """
     def one(pr):
         sampling = {"max_tokens": args.max_tokens, "temperature": 0, "stop": [STOP],
                     "seed": task_number(pr["task_id"])}
         if point.threshold is not None:
             sampling["routing_threshold"] = point.threshold
-        return pr, generate_one(url, point.router, prompts[pr["task_id"]], sampling, args.request_timeout)
+        return pr["task_id"], generate_one(url, point.router, prompts[pr["task_id"]], sampling, args.request_timeout)
 
+    answers: Dict[str, Dict[str, Any]] = {}
+    errors: List[str] = []
+    tokens = 0
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
-        answers = list(pool.map(one, problems))
-    wall = time.perf_counter() - t0
-    ok = [(pr, a) for pr, a in answers if "error" not in a]
-    records = {}
+        for fut in as_completed([pool.submit(one, pr) for pr in problems]):
+            tid, ans = fut.result()
+            if "error" in ans:
+                errors.append(f"{tid}: {ans['error']}")
+                continue
+            answers[tid] = ans
+            tokens += ans["output_tokens"]
+            if on_answer is not None:
+                on_answer(tid, ans)
+    run = {"problems": len(problems), "errors": errors, "wall_s": time.perf_counter() - t0,
+           "output_tokens": tokens, "concurrency": args.concurrency,
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    return answers, run
+
+
+def score_answers(answers: Mapping[str, Dict[str, Any]], problems: Mapping[str, Dict[str, Any]],
+                  args) -> Dict[str, Dict[str, Any]]:
+    """Records of generated answers: the completion (:func:`extract_completion`), its verdict
+    (:func:`score`, ``args.exec_workers`` programs at once) and the answer's measurements."""
+    items = list(answers.items())
+
+    def one(item):
+        tid, ans = item
+        comp = extract_completion(ans["text"])
+        return tid, {"completion": comp, **score(problems[tid], comp, args.exec_timeout, args.exec_memory_mb),
+                     **{k: v for k, v in ans.items() if k != "text"}}
+
     with ThreadPoolExecutor(max_workers=args.exec_workers) as pool:
-        verdicts = list(pool.map(lambda x: score(x[0], extract_completion(x[1]["text"]), args.exec_timeout,
-                                                 args.exec_memory_mb), ok))
-    for (pr, a), v in zip(ok, verdicts):
-        records[pr["task_id"]] = {"completion": extract_completion(a.pop("text")), **v, **a}
-    run = {"problems": len(problems), "errors": [a["error"] for _pr, a in answers if "error" in a],
-           "wall_s": wall, "output_tokens": sum(a.get("output_tokens", 0) for _pr, a in answers),
-           "concurrency": args.concurrency, "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    return records, run
+        return dict(pool.map(one, items))
 
 
 # --------------------------------------------------------------------------- reference
@@ -533,20 +559,23 @@ def reference_generate(model_dir: str, dtype: str, tokenizer, prompts: Sequence[
 
     install()  # PyPI's CUDA torchvision beside the CPU torch: transformers' model classes import it
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     from tokenrouter.routing.router_core import stop_token_ids
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=getattr(torch, dtype))
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.eval()
     eos = stop_token_ids(tokenizer)
+    # a fresh config: nothing of the checkpoint's generation_config.json (e.g. a repetition penalty)
+    # applies, as nothing of it applies to the served models
+    config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
+                              stop_strings=[STOP])
     for text in prompts:
         ids = tokenizer.encode(text)  # as the router encodes a prompt sent without the chat template
         t0 = time.perf_counter()
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos,
-                                 pad_token_id=eos[0], stop_strings=[STOP], tokenizer=tokenizer)
+                                 generation_config=config, tokenizer=tokenizer)
         new = out[0, len(ids):].tolist()
         yield tokenizer.decode(new, skip_special_tokens=True), len(new), len(ids), time.perf_counter() - t0
 
@@ -612,7 +641,8 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
         lo, hi = r["ci95"]
         e = r["e2e_s"]
         gap = f"{100 * r['gap_recovered']:.0f} %" if "gap_recovered" in r else "—"
-        lines.append(f"| {r['point']} | {r['n']} | {100 * r['pass_at_1']:.1f} % | {100 * lo:.1f}–{100 * hi:.1f} | {gap} "
+        lines.append(f"| {r['point']} | {r['n']} | {100 * r['pass_at_1']:.1f} % "
+                     f"| {100 * lo:.1f}–{100 * hi:.1f} | {gap} "
                      f"| {r['llm_share']:.3f} | {r['handoffs_per_request']:.1f} | {r['throughput_tok_s']:.1f} "
                      f"| {e['p50']:.1f} / {e['p90']:.1f} / {e['p99']:.1f} | {_test_cell(r.get('vs_llm_only'))} "
                      f"| {_test_cell(r.get('vs_random'), True)} |")
@@ -709,7 +739,26 @@ def _model_dir(repo: str, model: str) -> str:
     from tokenrouter.tools.repository import read_config
     from tokenrouter.triton.common import resolve_model_path
 
-    return resolve_model_path(read_config(os.path.join(repo, model, "config.pbtxt")).parameters["model_path"].string_value)
+    params = read_config(os.path.join(repo, model, "config.pbtxt")).parameters
+    return resolve_model_path(params["model_path"].string_value)
+
+
+def _finish_point(data: Dict[str, Any], path: str, problems: Mapping[str, Dict[str, Any]], args) -> None:
+    """Score a point's unscored answers into its records and save the cache."""
+    data["problems"].update(score_answers(data.get("unscored", {}), problems, args))
+    data["unscored"] = {}
+    save_cache(path, data)
+
+
+def _row_order(row: Mapping[str, Any]) -> tuple:
+    """Table order: slm-only, llm-only, random by share, the algorithms by name and share, the
+    transformers reference."""
+    name = row["point"]
+    ref = name.startswith("transformers-")
+    base = name[len("transformers-"):] if ref else name
+    algo = name.split(":", 1)[0]
+    return (ref, BASELINES.index(base) if base in BASELINES else len(BASELINES), algo != "random", algo,
+            row["llm_share"])
 
 
 def _floats(text: str) -> List[float]:
@@ -746,7 +795,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--reference", choices=["transformers"], default=None,
                     help="also run slm-only and llm-only with plain transformers on the same problems")
     ap.add_argument("--plot", default="", metavar="PNG", help="draw pass@1 against LLM-token share")
-    ap.add_argument("--json", default="", metavar="PATH", help="write the table's rows as JSON (default OUT/PAIR/summary.json)")
+    ap.add_argument("--json", default="", metavar="PATH",
+                    help="write the table's rows as JSON (default OUT/PAIR/summary.json)")
     a = ap.parse_args(argv)
     if a.concurrency < 1 or a.max_tokens < 1 or a.exec_workers < 1:
         ap.error("--concurrency, --max-tokens and --exec-workers must be >= 1")
@@ -760,7 +810,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.pair not in PAIRS:
         ap.error(f"--pair: known pairs are {sorted(PAIRS)}")
     try:
-        problems = select_problems(load_problems(), a.problems)
+        every = {pr["task_id"]: pr for pr in load_problems()}
+        problems = select_problems(list(every.values()), a.problems)
         points = parse_points([b for b in a.baselines.split(",") if b.strip()], _floats(a.random), a.points)
     except ValueError as e:
         ap.error(str(e))
@@ -775,6 +826,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         for p in points:
             data = load_cache(_cache_path(a.out, a.pair, p), p, settings, a.force)
             caches[p.name] = data
+            if data.get("unscored") and not a.report:  # answers of a command stopped before its tests
+                _finish_point(data, _cache_path(a.out, a.pair, p), every, a)
             missing = [pr for pr in problems if pr["task_id"] not in data["problems"] or not a.resume]
             if missing and not a.report:
                 todo.append((p, missing))
@@ -795,11 +848,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             with TritonServer(repo, ready_timeout=900, log_path=log) as srv:
                 for p, missing in todo:
                     t0 = time.perf_counter()
-                    records, run = run_point(srv.grpc_url, p, missing, prompts, a)
-                    data = caches[p.name]
-                    data["problems"].update(records)
+                    data, path = caches[p.name], _cache_path(a.out, a.pair, p)
+
+                    def keep(tid, ans, data=data, path=path):  # each answer saved as it arrives
+                        data.setdefault("unscored", {})[tid] = ans
+                        save_cache(path, data)
+
+                    _answers, run = run_point(srv.grpc_url, p, missing, prompts, a, on_answer=keep)
                     data["runs"].append(run)
-                    save_cache(_cache_path(a.out, a.pair, p), data)
+                    _finish_point(data, path, every, a)
                     row = point_summary(data, task_ids)
                     print(f"  {p.name:<28} {row['passed']}/{row['n']} passed, LLM share {row['llm_share']:.3f}, "
                           f"{run['output_tokens'] / run['wall_s']:.1f} tok/s, {time.perf_counter() - t0:.0f} s"
@@ -845,9 +902,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             caches[data["point"]] = data
     rows = [point_summary(d, task_ids) for d in caches.values()]
     rows = [r for r in rows if r["n"]]
-    rows.sort(key=lambda r: (r["point"].startswith("transformers-"),
-                             BASELINES.index(r["point"]) if r["point"] in BASELINES else len(BASELINES),
-                             r["point"].split(":", 1)[0] != "random", r["point"].split(":", 1)[0], r["llm_share"]))
+    rows.sort(key=_row_order)
     compare(rows)
     print(f"\nHumanEval pass@1, pair {a.pair}, {len(task_ids)} problems selected ({a.problems}), prompt "
           f"{PROMPT_FORMAT}, greedy, max_tokens {a.max_tokens}, N = {a.concurrency}; b/c = problems only "

@@ -190,7 +190,8 @@ def test_summary_and_comparisons():
     # a subset of the problems: only those enter
     assert quality.point_summary(caches[3], ids[:2])["llm_share"] == pytest.approx(10 / 30)
     table = quality.table(rows)
-    assert table.count("\n") == len(rows) + 1 and "| rstitch:tau=0.1 | 4 | 100.0 % | 51.0–100.0 | 150 % | 0.240 |" in table
+    assert table.count("\n") == len(rows) + 1
+    assert "| rstitch:tau=0.1 | 4 | 100.0 % | 51.0–100.0 | 150 % | 0.240 |" in table
 
 
 def test_cache_with_other_settings_is_refused(tmp_path):
@@ -245,3 +246,21 @@ def test_quality_end_to_end_on_the_demo_pair(repo_root, tmp_path):
     assert (tmp_path / "q.png").stat().st_size > 0
     summary = json.loads((out / "demo" / "summary.json").read_text())
     assert {r["point"] for r in summary["rows"]} == {"slm-only", "random:p=0.5"}
+
+
+def test_unscored_answers_are_scored_later(tmp_path):
+    """Answers saved as they arrived by a command stopped before its tests become records (with their
+    measurements) in the next one."""
+    from types import SimpleNamespace
+
+    p = PROBLEMS["HumanEval/2"]
+    path = str(tmp_path / "pt.json")
+    data = {"point": "slm-only", "problems": {}, "runs": [], "unscored": {
+        "HumanEval/2": {"text": p["canonical_solution"] + "```\n", "output_tokens": 9, "llm_tokens": 0,
+                        "handoffs": 0, "e2e_s": 1.5, "ttft_s": 0.1, "finish_reason": "stop", "input_tokens": 200}}}
+    args = SimpleNamespace(exec_timeout=10.0, exec_memory_mb=1024, exec_workers=1)
+    quality._finish_point(data, path, PROBLEMS, args)
+    saved = json.loads(Path(path).read_text())
+    assert saved["unscored"] == {} and saved["problems"]["HumanEval/2"]["passed"] is True
+    rec = saved["problems"]["HumanEval/2"]
+    assert rec["completion"] == p["canonical_solution"] and rec["output_tokens"] == 9 and "text" not in rec
