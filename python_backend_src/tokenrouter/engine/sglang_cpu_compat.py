@@ -618,7 +618,7 @@ def _sdpa_forward_extend_new_rows(self, query, output, k_cache, v_cache, req_to_
     return output
 
 
-def patch_torch_native_extend() -> bool:
+def patch_torch_native_extend(on_gpu: bool = False) -> bool:
     """Install the batched attention of this module into SGLang's torch_native backend (CPU hosts).
 
     Replaces ``_run_sdpa_forward_extend`` by :func:`_sdpa_forward_extend_new_rows`,
@@ -626,11 +626,12 @@ def patch_torch_native_extend() -> bool:
     ``init_forward_metadata`` so that each forward step builds its attention plan
     (:class:`_StepPlan`) once; replaces ``RotaryEmbedding.forward_native`` by
     :func:`_rope_forward_native`.  Idempotent; call after :func:`install`.  Returns
-    True when installed, False on GPU hosts (their attention backends are left
-    alone) or if SGLang's backend no longer has these methods.
+    True when installed, False on GPU hosts unless ``on_gpu`` (an engine on a GPU
+    that runs torch_native: the ops here are device-agnostic torch) or if SGLang's
+    backend no longer has these methods.
     """
     global _orig_sdpa_extend, _orig_sdpa_decode, _orig_init_metadata, _orig_rope_native, _plain_apply_rotary_emb
-    if cuda_available():
+    if cuda_available() and not on_gpu:
         return False
     from sglang.srt.layers.attention import torch_native_backend as tnb
 
