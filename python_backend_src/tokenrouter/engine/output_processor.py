@@ -50,7 +50,41 @@ class OutputProcessorMixin:
             info["logprobs"], lr.unflushed_logprobs = lr.unflushed_logprobs, []
         if lr.first_step_t is not None:
             info["first_step_t"], lr.first_step_t = lr.first_step_t, None
+        if lr.spec_round is not None:
+            info["spec"], lr.spec_round = lr.spec_round, None
         return info
+
+    def _verify_row(self, lr: LocalRequest, res: StepResult, position_logits) -> tuple:
+        """Speculative verification of one row: the tokens to commit and their logprobs.
+
+        The step ran ``lr.verify`` (the drafts) in one extend; the algorithm's ``verify`` picks
+        the accepted prefix and this model's own next token from the logits at every drafted
+        position (Leviathan et al. 2023, Algorithm 1; greedy: the longest prefix equal to the
+        argmax choices).  The rejected drafts leave the sequence and their KV is freed
+        (:meth:`SGLangEngine.truncate`); the accepted ones stay with their KV.
+
+        Returns:
+            ``(tokens, logprobs, accepted)``: the tokens to commit (accepted drafts first), the
+            raw logprob of each under this model, and how many of them are accepted drafts.
+
+        Raises:
+            ValueError: the algorithm returned something that is not an accepted prefix plus one token.
+        """
+        drafts, lr.verify = lr.verify, []
+        if position_logits is None or position_logits.shape[0] != len(drafts) + 1:
+            raise ValueError("the engine returned no logits at the drafted positions")
+        toks = [int(t) for t in lr.algo.verify(res, position_logits, drafts, self.sampler)]
+        n_acc = len(toks) - 1
+        if not 0 <= n_acc <= len(drafts) or toks[:n_acc] != drafts[:n_acc]:
+            raise ValueError(f"verify returned {toks} for drafts {drafts}: not an accepted prefix plus one token")
+        self.engine.truncate(lr.seq, len(lr.seq.tokens) - len(drafts) + n_acc)
+        self.counters["verifications"] += 1
+        self.counters["drafts_verified"] += len(drafts)
+        self.counters["drafts_accepted"] += n_acc
+        logp = torch.log_softmax(position_logits[: len(toks)], dim=-1)
+        lps = logp.gather(1, torch.tensor(toks, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+        lr.spec_round = {"drafted": len(drafts), "accepted": n_acc, "drafter": lr.algo.peer_model(1)}
+        return toks, lps, n_acc
 
     def process_batch_result(self, batch: List[LocalRequest], out, t0: float, t_fwd: float,
                              has_prefill: bool) -> None:
@@ -95,24 +129,52 @@ class OutputProcessorMixin:
                              norm_entropy=ent[i], prob=probs[i], step=hdr.num_generated,
                              hidden=None if out.hidden is None else out.hidden[i],
                              logits=logits[i], state=lr)
+            drafted, verified = None, None
+            try:
+                if lr.verify:  # speculative decoding: this step ran a peer's drafts
+                    pos = out.position_logits[i] if getattr(out, "position_logits", None) else None
+                    verified = self._verify_row(lr, res, pos)
+                else:
+                    drafted = lr.algo.draft(res)
+            except (ValueError, RuntimeError) as e:  # this request alone fails
+                logger.exception("speculative step of %s failed on %s", lr.rid, self.name)
+                self.counters["errors"] += 1
+                self._release(lr.rid, "error", f"model {self.name}: {e}")
+                continue
             k = lr.algo.route(res)
             if k != 0 and hdr.down_models and hdr.models[lr.algo.peer_model(k)] in hdr.down_models:
                 k = 0  # that peer is down (router's fallback mode): this model keeps writing
             lr.algo.step_scores.append(lr.algo.last_score)
             hdr.step += 1
-            commit = k == 0 or lr.algo.commit_on_handoff(res)
+            if drafted is not None:  # a draft: in the sequence (KV next step), not output
+                lr.seq.tokens.append(int(drafted))
+                lr.drafts += 1
+                self.counters["draft_tokens"] += 1
+                commit_toks, commit_lps, in_seq = [], [], 0
+            elif verified is not None:  # accepted drafts (already in the sequence) + own token
+                commit_toks, commit_lps, in_seq = verified
+            elif k == 0 or lr.algo.commit_on_handoff(res):
+                commit_toks, commit_lps, in_seq = [toks[i]], [tok_logp[i]], 0
+            else:
+                commit_toks, commit_lps, in_seq = [], [], 0
+            commit = bool(commit_toks)
             finished_reason = None
-            if commit:
-                lr.seq.tokens.append(toks[i])
-                lr.unflushed.append(toks[i])
+            for j, tok in enumerate(commit_toks):
+                if j >= in_seq:
+                    lr.seq.tokens.append(tok)
+                lr.unflushed.append(tok)
                 if hdr.sampling.get("logprobs"):
-                    lr.unflushed_logprobs.append(tok_logp[i])
+                    lr.unflushed_logprobs.append(commit_lps[j])
                 hdr.num_generated += 1
                 committed_total += 1
-                if toks[i] in hdr.stop_token_ids:
+                if tok in hdr.stop_token_ids:
                     finished_reason = FinishReason.STOP
                 elif hdr.num_generated >= hdr.max_tokens:
                     finished_reason = FinishReason.LENGTH
+                if finished_reason is not None:
+                    if lr.spec_round is not None:  # drafts after the end are not output
+                        lr.spec_round["accepted"] = min(lr.spec_round["accepted"], j + 1)
+                    break
             if finished_reason is not None:
                 self.counters["finished"] += 1
                 self._end_segment(lr, "finished", {"finish_reason": finished_reason.value,

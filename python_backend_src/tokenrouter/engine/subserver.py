@@ -121,6 +121,14 @@ class LocalRequest:
         unflushed_logprobs: log-probabilities of ``unflushed`` (when the request asks for them).
         first_step_t: ``time.monotonic()`` at the start of the request's first
             step (its queue time ends there), until reported to the router.
+        drafts: speculative decoding, drafting model: how many trailing ``seq.tokens`` are
+            drafted tokens this model sent for verification and has not had confirmed (they
+            are not output); on the next resume they are rolled back (:meth:`Subserver._rollback_drafts`).
+        verify: speculative decoding, verifying model: the drafted token ids (the trailing
+            ``len(verify)`` of ``seq.tokens``) the next step checks (one extend, logits at every
+            drafted position: ``Sequence.verify_positions``); empty otherwise.
+        spec_round: ``{"drafted", "accepted", "drafter"}`` of the latest verification, shipped
+            to the router with the tokens it committed (``spec`` in the sink's info).
     """
 
     rid: str
@@ -135,6 +143,9 @@ class LocalRequest:
     prefilled: bool = False
     unflushed_logprobs: List[float] = field(default_factory=list)
     first_step_t: Optional[float] = None
+    drafts: int = 0
+    verify: List[int] = field(default_factory=list)
+    spec_round: Optional[Dict[str, int]] = None
 
 
 class Subserver(OutputProcessorMixin):
@@ -265,7 +276,9 @@ class Subserver(OutputProcessorMixin):
                 "waiting": len(self.waiting),
                 **{k: self.counters[k] for k in ("steps", "decode_tokens", "extend_tokens", "extend_runs",
                                                   "handoffs_out", "finished", "cancelled", "errors",
-                                                  "requests_in", "prefill_chunks")},
+                                                  "requests_in", "prefill_chunks",
+                                                  "draft_tokens", "verifications", "drafts_verified", "drafts_accepted",
+                                                  "draft_tokens_rolled_back")},
                 "step_time_s": self.counters["step_time_us"] / 1e6,
                 "forward_s": self.counters["forward_us"] / 1e6,
                 "route_s": self.counters["route_us"] / 1e6,
@@ -441,6 +454,8 @@ class Subserver(OutputProcessorMixin):
         lr.header = peer_req
         lr.header.tokens = []
         lr.algo = algo
+        if lr.drafts:
+            tokens = self._rollback_drafts(lr, tokens)
         if self.config.readmit_on_resume:
             # std-serving baseline: forget the KV, re-prefill everything (no prefix cache either)
             self.engine.release(lr.seq, cache=False)
@@ -448,8 +463,37 @@ class Subserver(OutputProcessorMixin):
         else:
             lr.seq.tokens.extend(tokens)
         lr.loc = len(lr.seq.tokens)
+        self._set_verify(lr, algo)
         lr.sink = sink
         self._make_ready(lr)
+
+    def _rollback_drafts(self, lr: LocalRequest, tokens: List[int]) -> List[int]:
+        """Speculative decoding, drafting model: drop the drafted tokens the verifier rejected.
+
+        ``lr.seq`` ends with ``lr.drafts`` drafted tokens; ``tokens`` (the verifier's committed
+        tokens: the accepted drafts, then its own) start with the accepted ones.  The longest
+        common prefix stays (its KV is reused); the rest of the drafts leave the sequence and
+        their KV slots are freed (:meth:`SGLangEngine.truncate`).  Leviathan et al. 2023, §2.3.
+
+        Returns:
+            the tokens still to append (``tokens`` minus the kept prefix).
+        """
+        base = len(lr.seq.tokens) - lr.drafts
+        drafted = lr.seq.tokens[base:]
+        keep = 0
+        while keep < min(len(drafted), len(tokens)) and drafted[keep] == tokens[keep]:
+            keep += 1
+        self.counters["draft_tokens_rolled_back"] += len(drafted) - keep
+        self.engine.truncate(lr.seq, base + keep)
+        lr.drafts = 0
+        return tokens[keep:]
+
+    def _set_verify(self, lr: LocalRequest, algo: RoutingAlgorithm) -> None:
+        """Speculative decoding, verifying model: mark the drafts the next step checks."""
+        lr.verify = list(algo.drafts_to_verify())
+        if lr.verify:
+            lr.seq.verify_positions = len(lr.verify) + 1
+            lr.loc = len(lr.seq.tokens) - len(lr.verify)
 
     def _make_algo(self, peer_req: PeerReq) -> RoutingAlgorithm:
         if self.name not in peer_req.models:
@@ -460,12 +504,16 @@ class Subserver(OutputProcessorMixin):
         return algo
 
     def _admit(self, peer_req: PeerReq, sink: Sink, algo: RoutingAlgorithm, need: int) -> None:
-        seq = self.engine.add(peer_req.rid, peer_req.tokens)
+        tokens = algo.receive(peer_req)  # the PeerReq's tokens (+ drafts to verify: speculative)
+        n_drafts = len(algo.drafts_to_verify())
+        # drafts join after the add, so that a prefix-cache match never covers a drafted position
+        seq = self.engine.add(peer_req.rid, tokens[:len(tokens) - n_drafts])
+        seq.tokens.extend(tokens[len(tokens) - n_drafts:])
         hdr = peer_req
-        tokens = hdr.tokens
         hdr.tokens = []
         lr = LocalRequest(rid=hdr.rid, seq=seq, header=hdr, algo=algo, loc=len(tokens),
                           sink=sink, reserved_tokens=need)
+        self._set_verify(lr, algo)
         self.reserved += need
         self.requests[lr.rid] = lr
         self._make_ready(lr)
@@ -628,11 +676,16 @@ class Subserver(OutputProcessorMixin):
             if budget <= 0:
                 waiting.add(lr.rid)
                 continue
-            if n > budget:
-                held[lr.rid] = (lr.seq, lr.seq.tokens[budget - n:])
-                del lr.seq.tokens[budget - n:]
+            run = min(n, budget)
+            m = lr.seq.verify_positions
+            if run < n and m > 1 and n - run < m:  # the drafted positions must be in the last chunk
+                run = n - m if n - m > 0 else n
+            if run < n:
+                held[lr.rid] = (lr.seq, lr.seq.tokens[run - n:], m)
+                del lr.seq.tokens[run - n:]
+                lr.seq.verify_positions = 0
                 self.counters["prefill_chunks"] += 1
-            budget -= min(n, budget)
+            budget -= min(run, budget)
         return [lr for lr in batch if lr.rid not in waiting], held
 
     def _count_partial_step(self, out, t0: float, t_fwd: float, rows: int) -> None:
@@ -649,8 +702,9 @@ class Subserver(OutputProcessorMixin):
 
     @staticmethod
     def _restore_held(held: Dict[str, tuple]) -> None:
-        for seq, toks in held.values():
+        for seq, toks, m in held.values():
             seq.tokens.extend(toks)
+            seq.verify_positions = m
 
     @staticmethod
     def _without_partial_rows(batch: List[LocalRequest], out, held: Dict[str, tuple]):
@@ -661,8 +715,10 @@ class Subserver(OutputProcessorMixin):
         """
         keep = [i for i, lr in enumerate(batch) if lr.rid not in held]
         idx = torch.tensor(keep, dtype=torch.long)
+        pos = getattr(out, "position_logits", None)
         out = dataclasses.replace(
             out, seqs=[out.seqs[i] for i in keep], logits=out.logits.index_select(0, idx),
             hidden=None if out.hidden is None else out.hidden.index_select(0, idx),
-            num_extend=out.num_extend - len(held))
+            num_extend=out.num_extend - len(held),
+            position_logits=None if pos is None else [pos[i] for i in keep])
         return [batch[i] for i in keep], out

@@ -61,6 +61,10 @@ class RoutedRequest:
             last output tokens reached the router (None before any).
         degraded: models that were down while this request ran and that it
             therefore went on without (fallback mode), sorted by name.
+        drafted, accepted: speculative decoding: tokens drafted and sent for verification,
+            and of those the ones the verifier accepted (output tokens of the drafter).
+        spec_rounds: speculative decoding: one ``{"pos", "drafted", "accepted"}`` per
+            verification, ``pos`` = output tokens committed before it.
     """
 
     tokens: List[int]
@@ -78,6 +82,9 @@ class RoutedRequest:
     first_token_t: Optional[float] = None
     last_token_t: Optional[float] = None
     degraded: List[str] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    spec_rounds: List[Dict[str, int]] = field(default_factory=list)
 
     @property
     def output_ids(self) -> List[int]:
@@ -141,10 +148,12 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
                         r.last_token_t = now
                         r.logprobs.extend((list(ev.get("logprobs") or []) + [None] * len(ids))[:len(ids)])
                         r.scores.extend((list(scores) + [None] * len(ids))[:len(ids)])
+                        writers = _writers(ev.get("spec"), current, len(ids), len(models), r)
                         r.tokens.extend(ids)
                         seen[current] = len(r.tokens)
-                        r.tokens_by_model[name] = r.tokens_by_model.get(name, 0) + len(ids)
-                        r.trace.extend([current] * len(ids))
+                        for w in writers:
+                            r.tokens_by_model[models[w]] = r.tokens_by_model.get(models[w], 0) + 1
+                        r.trace.extend(writers)
                         delta = detok.add(ids)
                         if on_delta is not None and delta and finish is None:
                             on_delta(delta)
@@ -196,6 +205,25 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
                 transport.release(models[m], rid)
     r.finish = finish
     return r
+
+
+def _writers(spec: Optional[Dict[str, Any]], current: int, n: int, n_models: int, r: RoutedRequest) -> List[int]:
+    """The model index that wrote each of ``n`` tokens a model committed, recording a
+    speculative verification (``spec`` = ``{"drafted", "accepted", "drafter"}`` of the event
+    that carries them): the first ``accepted`` tokens are the drafter's accepted drafts."""
+    if not isinstance(spec, dict):
+        return [current] * n
+    try:
+        drafted, accepted = int(spec.get("drafted", 0)), min(int(spec.get("accepted", 0)), n)
+        drafter = int(spec.get("drafter", current))
+    except (TypeError, ValueError):
+        return [current] * n
+    r.drafted += drafted
+    r.accepted += accepted
+    r.spec_rounds.append({"pos": len(r.tokens) - r.n_prompt, "drafted": drafted, "accepted": accepted})
+    if not 0 <= drafter < n_models:
+        drafter = current
+    return [drafter] * accepted + [current] * (n - accepted)
 
 
 def _fall_back(err, models, current, r, header, seen, touched, released, transport, rid) -> Optional[int]:

@@ -26,6 +26,10 @@ Counters
                                                   label ``reason`` (``queue_full``: the router's or a model's
                                                   queue was full; ``queue_timeout``: the request waited past
                                                   its queue timeout); not counted as failures
+    ``tokenrouter:spec_decode_num_drafts_total``  speculative decoding: verifications (rounds), as vLLM's
+    ``tokenrouter:spec_decode_num_draft_tokens_total``  drafted tokens sent for verification
+    ``tokenrouter:spec_decode_num_accepted_tokens_total``  of those, accepted (acceptance rate =
+                                                  accepted / draft tokens)
 Gauges
     ``tokenrouter:num_requests_running``          requests being driven through the models
     ``tokenrouter:num_requests_waiting``          accepted, waiting for a router worker
@@ -82,6 +86,9 @@ _FAMILIES: Dict[str, Tuple[str, str, Optional[List[float]]]] = {
     "request_failure_total": ("COUNTER", "Requests cancelled or failed", None),
     "handoffs_total": ("COUNTER", "Handoffs between models, by pair", None),
     "request_busy_total": ("COUNTER", "Requests answered busy (a full queue or a queue timeout)", None),
+    "spec_decode_num_drafts_total": ("COUNTER", "Speculative decoding: verification rounds", None),
+    "spec_decode_num_draft_tokens_total": ("COUNTER", "Speculative decoding: drafted tokens verified", None),
+    "spec_decode_num_accepted_tokens_total": ("COUNTER", "Speculative decoding: drafted tokens accepted", None),
     "num_requests_running": ("GAUGE", "Requests being driven through the models", None),
     "num_requests_waiting": ("GAUGE", "Requests waiting for a router worker", None),
 }
@@ -102,6 +109,8 @@ class RequestObservation:
         e2e_s: arrival → end.
         queue_s: arrival → first forward step, None if unknown.
         handoffs: ``(from, to, latency_s or None)`` per handoff.
+        spec_rounds, spec_drafted, spec_accepted: speculative decoding: verifications, drafted
+            tokens and accepted drafted tokens (0 for other algorithms).
     """
 
     prompt_tokens: int
@@ -112,6 +121,9 @@ class RequestObservation:
     tpot_s: Optional[float] = None
     queue_s: Optional[float] = None
     handoffs: List[Tuple[str, str, Optional[float]]] = field(default_factory=list)
+    spec_rounds: int = 0
+    spec_drafted: int = 0
+    spec_accepted: int = 0
 
 
 def observe_request(arrival_t: float, end_t: float, routed, models: List[str],
@@ -142,7 +154,9 @@ def observe_request(arrival_t: float, end_t: float, routed, models: List[str],
         hand.append((models[h["from"]], models[h["to"]], gaps[i] if i < len(gaps) else None))
     return RequestObservation(prompt_tokens=r.n_prompt, tokens_by_model=dict(r.tokens_by_model),
                               finish=r.finish or "error", e2e_s=max(0.0, end_t - arrival_t), ttft_s=ttft,
-                              tpot_s=tpot, queue_s=queue, handoffs=hand)
+                              tpot_s=tpot, queue_s=queue, handoffs=hand,
+                              spec_rounds=len(getattr(r, "spec_rounds", ())),
+                              spec_drafted=int(getattr(r, "drafted", 0)), spec_accepted=int(getattr(r, "accepted", 0)))
 
 
 class RouterMetrics:
@@ -172,7 +186,8 @@ class RouterMetrics:
         # create the fixed series now: dashboards see them (at 0) before any request
         for short in ("time_to_first_token_seconds", "time_per_output_token_seconds",
                       "e2e_request_latency_seconds", "request_queue_time_seconds", "prompt_tokens_total",
-                      "num_requests_running", "num_requests_waiting"):
+                      "num_requests_running", "num_requests_waiting", "spec_decode_num_drafts_total",
+                      "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total"):
             self._get(short)
         for reason in ("stop", "length"):
             self._get("request_success_total", finished_reason=reason)
@@ -221,6 +236,10 @@ class RouterMetrics:
             self._get("handoffs_total", **{"from": a, "to": b}).increment(1.0)
             if lat is not None:
                 self._get("handoff_latency_seconds", **{"from": a, "to": b}).observe(lat)
+        if ob.spec_rounds:
+            self._get("spec_decode_num_drafts_total").increment(float(ob.spec_rounds))
+            self._get("spec_decode_num_draft_tokens_total").increment(float(ob.spec_drafted))
+            self._get("spec_decode_num_accepted_tokens_total").increment(float(ob.spec_accepted))
 
     def record_failure(self, reason: str) -> None:
         """Count a request that ended without a result (one of :data:`FAILURE_REASONS`)."""

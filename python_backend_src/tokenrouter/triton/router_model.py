@@ -32,7 +32,8 @@ Outputs
     ``text_output`` BYTES, ``finish_reason`` BYTES, ``num_input_tokens`` INT32,
     ``num_output_tokens`` INT32, ``routing_summary`` BYTES (JSON:
     tokens_by_model, handoffs, handoffs_by_pair, algorithm, params and
-    handoff_gap_s: seconds from each handoff to the peer's first response),
+    handoff_gap_s: seconds from each handoff to the peer's first response; with speculative
+    decoding ``speculative``: rounds, drafted, accepted, acceptance_rate),
     ``logprobs`` BYTES (JSON list, one float per output token: its logprob
     under the model that wrote it; on the final response, streaming too) when
     asked (``return_logprobs`` or the ``logprobs`` sampling key),
@@ -43,7 +44,8 @@ Outputs
     and ``handoffs``: one ``{"pos", "from", "to", "committed", "score"}`` per
     handoff, ``pos`` = output tokens committed when it happened, ``score`` =
     the handoff step's score; with ``committed`` false that step's token was
-    discarded) when asked.
+    discarded; with speculative decoding ``drafts``: one ``{"pos", "drafted", "accepted"}`` per
+    verification) when asked.
 
 Config parameters: ``models`` (comma-separated, deployment order; model 0 is
 the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
@@ -608,6 +610,10 @@ class TritonPythonModel:
         if r.degraded:
             summary["degraded"] = r.degraded
             self.failure.count_degraded()
+        if r.spec_rounds:  # speculative decoding: drafts verified and accepted
+            summary["speculative"] = {"rounds": len(r.spec_rounds), "drafted": r.drafted,
+                                      "accepted": r.accepted,
+                                      "acceptance_rate": round(r.accepted / r.drafted, 4) if r.drafted else None}
         if job.stream:
             text = tail
         else:
@@ -623,8 +629,11 @@ class TritonPythonModel:
         }
         self._apply_output_switches(job, r, outputs)
         if job.want_trace:
-            tr = json.dumps({"models": self.models, "trace": r.trace, "token_ids": r.output_ids,
-                             "scores": r.scores, "handoffs": r.handoff_log})
+            trace = {"models": self.models, "trace": r.trace, "token_ids": r.output_ids,
+                     "scores": r.scores, "handoffs": r.handoff_log}
+            if r.spec_rounds:
+                trace["drafts"] = r.spec_rounds
+            tr = json.dumps(trace)
             outputs["routing_trace"] = np.asarray([tr.encode()], dtype=np.object_)
         # metrics first: a client that has its answer finds them published
         self._out.put((None, "metrics", observe_request(job.arrival_t, time.monotonic(), r, self.models,

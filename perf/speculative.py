@@ -1,0 +1,179 @@
+"""Speculative decoding against LLM-only in one run: throughput, TPOT, acceptance rate, best k, bound.
+
+    source deploy/env.sh
+    python perf/speculative.py                                   # demo pair, N = 1 and 8, k = 2, 4, 6
+    python perf/speculative.py --pair qwen-coder --concurrency 1,8,32 --duration 120
+    python perf/speculative.py --k 4 --concurrency 1 --duration 20 --windows 2   # a smoke run
+
+One tritonserver serves the pair (``tokenrouter.tools.repository.make_variant``) with one router
+model per setting: ``llm`` (algorithm ``none``, model 1: LLM-only, the baseline), ``spec_k<k>``
+(algorithm ``speculative``, greedy drafts) for every ``--k`` and ``spec_adaptive`` (adaptive k,
+from ``max(--k)`` up to ``--k-max``).  For every concurrency N, each setting runs as N
+closed-loop clients (:class:`perf.loadgen.SteadyLoad`: greedy, ``ignore_eos``, ``--max-tokens``
+output tokens, chat prompts from data/router_prompts.jsonl), warms up, and is measured over
+``--windows`` windows of ``--duration`` / windows seconds; the settings alternate in the order
+given, repeated ``--repeats`` times, so drift of a shared host falls on all of them alike.
+
+Reported per (N, setting), means over repeats with the per-window spread:
+* ``throughput_tok_s`` (output tokens streamed per second) and its ratio to LLM-only of the same
+  repeat (``speedup``); ``itl_p50_s`` … ``itl_p99_s`` (TPOT: (e2e − TTFT) / (tokens − 1) per request);
+* ``acceptance_rate``: accepted / drafted tokens over the measurement (the LLM's counters
+  ``drafts_accepted`` / ``drafts_verified``), ``tokens_per_round`` (output tokens per
+  verification: accepted drafts + 1) and ``drafts_per_round`` (the mean k, adaptive too);
+* the bound (Leviathan et al. 2023, §3.4, with measured costs): ``t_verify_llm_s``, the LLM's
+  mean step in the speculative run (a verification: an extend of k + 1 tokens per request),
+  against ``t_decode_llm_s``, its mean step in the LLM-only run of the same N
+  (``verify_over_decode``); ``t_draft_slm_s``, the SLM's mean step; and the sequential ceiling
+  ``speedup_bound = tokens_per_round × t_decode_llm / (k × t_draft_slm + t_verify_llm)``
+  (one round = k drafting steps, then one verification; LLM-only writes one token per step).
+  The two handoffs per round are what separates ``speedup`` from it at N = 1; at N > 1 the SLM
+  drafts for some requests while the LLM verifies others, which the ceiling does not count.
+
+``best_k`` per N is the setting with the highest mean throughput.  Raw results go to ``--out``
+(default ``perf/results/speculative-<pair>.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from loadgen import SteadyLoad, load_tokenizer, window_summary  # noqa: E402
+
+COUNTERS = ("forward_s", "steps", "verifications", "drafts_verified", "drafts_accepted", "draft_tokens",
+            "step_time_s")
+
+
+def _stats(url: str):
+    from tokenrouter.tools import admin
+
+    return {m: {k: admin.model_stats(url, m).get(k, 0) for k in COUNTERS} for m in ("slm", "llm")}
+
+
+def _delta(a, b, model, key):
+    return b[model][key] - a[model][key]
+
+
+def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duration: float, windows: int,
+                tokenizer) -> dict:
+    """One steady-state measurement of router model ``router`` at concurrency ``n``."""
+    load = SteadyLoad(url, prompts, n, max_tokens, model=router, tokenizer=tokenizer).start()
+    try:
+        m = load.measure(duration, windows, probe=lambda: _stats(url), since=load.t_started)
+        records = load.snapshot()
+    finally:
+        load.stop(cancel=True)
+    res = window_summary(records, m["bounds"], probes=None, latencies="completed")
+    a, b = m["probes"][0], m["probes"][-1]
+    d = {(mod, k): _delta(a, b, mod, k) for mod in ("slm", "llm") for k in COUNTERS}
+    res["acceptance_rate"] = (d["llm", "drafts_accepted"] / d["llm", "drafts_verified"]
+                              if d["llm", "drafts_verified"] else None)
+    v = d["llm", "verifications"]
+    res["verifications"] = v
+    res["tokens_per_round"] = (d["llm", "drafts_accepted"] + v) / v if v else None
+    res["drafts_per_round"] = d["slm", "draft_tokens"] / v if v else None
+    # mean forward time of one step (s): the LLM's steps are decodes (LLM-only) or verifications
+    # (speculative: an extend of k + 1 tokens per request), the SLM's are drafting steps
+    res["t_step_llm_s"] = d["llm", "forward_s"] / d["llm", "steps"] if d["llm", "steps"] else None
+    res["t_step_slm_s"] = d["slm", "forward_s"] / d["slm", "steps"] if d["slm", "steps"] else None
+    res["llm_busy_share"] = d["llm", "step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
+    res["slm_busy_share"] = d["slm", "step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pair", default="demo", help="a pair of tokenrouter.tools.repository.PAIRS (default demo)")
+    ap.add_argument("--concurrency", default="1,8", help="comma-separated N (default 1,8)")
+    ap.add_argument("--k", default="2,4,6", help="comma-separated drafts per round (default 2,4,6)")
+    ap.add_argument("--k-max", type=int, default=8, help="largest k of the adaptive setting (default 8)")
+    ap.add_argument("--no-adaptive", action="store_true", help="leave out the adaptive-k setting")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=60.0, help="seconds measured per setting and repeat")
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--kv-pool-tokens", type=int, default=16384)
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    from tokenrouter.tools.repository import make_variant
+    from tritonserver import TritonServer
+
+    ks = [int(k) for k in a.k.split(",")]
+    ns = [int(n) for n in a.concurrency.split(",")]
+    routers = {"llm": {"algorithm": "none", "algorithm_params": '{"model": 1}'}}
+    for k in ks:
+        routers[f"spec_k{k}"] = {"algorithm": "speculative", "algorithm_params": json.dumps({"k": k})}
+    if not a.no_adaptive:
+        routers["spec_adaptive"] = {"algorithm": "speculative", "algorithm_params": json.dumps(
+            {"k": max(ks), "adaptive": True, "k_max": a.k_max})}
+    pool = {"kv_pool_tokens": str(a.kv_pool_tokens), "max_running_requests": str(max(64, 2 * max(ns)))}
+    tmp = tempfile.mkdtemp(prefix="bench-speculative-")
+    repo = make_variant(str(ROOT / "model_repository"), os.path.join(tmp, "repo"), pair=a.pair,
+                        model_params={"slm": pool, "llm": pool}, routers=routers)
+    prompts = [json.loads(line)["prompt"] for line in open(ROOT / "data" / "router_prompts.jsonl") if line.strip()]
+    from tokenrouter.tools.repository import read_config
+    tok_path = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters["tokenizer_path"].string_value
+    weights = os.environ.get("TOKENROUTER_WEIGHTS", "")
+    tokenizer = load_tokenizer(tok_path if os.path.isabs(tok_path) else os.path.join(weights, tok_path))
+    results = {}
+    t_start = time.time()
+    with TritonServer(repo, log_path=os.path.join(tmp, "tritonserver.log")) as srv:
+        url = srv.grpc_url
+        for n in ns:
+            per = {name: [] for name in routers}
+            for rep in range(a.repeats):
+                for name in routers:
+                    r = run_setting(url, name, prompts, n, a.max_tokens, a.duration, a.windows, tokenizer)
+                    per[name].append(r)
+                    print(f"N={n} rep={rep} {name:14s} {r['throughput_tok_s']:7.2f} tok/s  "
+                          f"ITL p50 {r['itl_p50_s'] * 1e3:7.1f} ms  acceptance {r['acceptance_rate']}  "
+                          f"verify {r['t_verify_llm_s']}  decode {r['t_decode_llm_s']}", flush=True)
+            base = per["llm"]
+            summary = {}
+            for name, runs in per.items():
+                tps = [r["throughput_tok_s"] for r in runs]
+                row = {"throughput_tok_s": statistics.fmean(tps),
+                       "speedup": statistics.fmean(r["throughput_tok_s"] / b["throughput_tok_s"]
+                                                   for r, b in zip(runs, base)),
+                       **{q: statistics.fmean(r[q] for r in runs) for q in
+                          ("itl_p50_s", "itl_p90_s", "itl_p99_s", "ttft_p50_s")},
+                       "runs": runs}
+                if name != "llm":
+                    def mean(key, rs=runs):
+                        xs = [r[key] for r in rs if r.get(key) is not None]
+                        return statistics.fmean(xs) if xs else None
+                    row["acceptance_rate"] = mean("acceptance_rate")
+                    t_dec, t_ver, t_dr = mean("t_step_llm_s", base), mean("t_step_llm_s"), mean("t_step_slm_s")
+                    tpr, k = mean("tokens_per_round"), mean("drafts_per_round")
+                    row.update(tokens_per_round=tpr, drafts_per_round=k, t_decode_llm_s=t_dec, t_verify_llm_s=t_ver,
+                               t_draft_slm_s=t_dr)
+                    if None not in (t_dec, t_ver, t_dr, tpr, k):
+                        # sequential bound: one round = k drafting steps + one verify step, LLM-only
+                        # writes one token per decode step (Leviathan et al. 2023, §3.4, measured costs)
+                        row.update(verify_over_decode=t_ver / t_dec,
+                                   speedup_bound=tpr * t_dec / (k * t_dr + t_ver))
+                summary[name] = row
+            best = max((nm for nm in summary if nm != "llm"), key=lambda nm: summary[nm]["throughput_tok_s"])
+            results[str(n)] = {"settings": summary, "best": best}
+            print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
+    out = a.out or str(ROOT / "perf" / "results" / f"speculative-{a.pair}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    meta = {"pair": a.pair, "concurrency": ns, "k": ks, "max_tokens": a.max_tokens, "duration_s": a.duration,
+            "windows": a.windows, "repeats": a.repeats, "routers": routers, "started": t_start,
+            "command": "python perf/speculative.py " + " ".join(sys.argv[1:] if argv is None else argv)}
+    with open(out, "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=1)
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
