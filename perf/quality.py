@@ -517,6 +517,30 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
     return answers, run
 
 
+def check_kv(url: str, need: int, concurrency: int, models: Sequence[str] = ("slm", "llm")) -> None:
+    """Check that every model's KV pool holds the longest request (``need`` tokens: prompt +
+    max_tokens); print a warning when it holds fewer than ``concurrency`` of them (requests then
+    wait for KV, and the point runs at a lower concurrency than asked).
+
+    On a CPU SGLang sizes the pool from ``kv_pool_tokens`` and the memory free when the model
+    loads, so a busy host can leave a model with a pool too small for one request.
+
+    Raises:
+        RuntimeError: a model's pool is smaller than ``need`` (the message names it and its size).
+    """
+    from tokenrouter.tools import admin
+
+    for m in models:
+        cap = int(admin.model_stats(url, m).get("kv_capacity_tokens", 0))
+        if cap < need:
+            raise RuntimeError(f"model {m} has {cap} tokens of KV, the longest request needs {need} (prompt + "
+                               "max_tokens): too little memory was free when it loaded (kv_pool_tokens, the "
+                               "host's other processes); nothing was run")
+        if cap < need * concurrency:
+            print(f"  warning: model {m} holds {cap} tokens of KV, {cap // need} of the longest requests at once "
+                  f"(concurrency {concurrency}): requests will wait for KV", flush=True)
+
+
 def score_answers(answers: Mapping[str, Dict[str, Any]], problems: Mapping[str, Dict[str, Any]],
                   args) -> Dict[str, Dict[str, Any]]:
     """Records of generated answers: the completion (:func:`extract_completion`), its verdict
@@ -846,6 +870,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   f"{len(routers)} router models; starting tritonserver", flush=True)
             log = os.path.join(work, "tritonserver.log")
             with TritonServer(repo, ready_timeout=900, log_path=log) as srv:
+                need = max(len(tok.encode(prompts[pr["task_id"]])) for _p, m in todo for pr in m) + a.max_tokens
+                try:
+                    check_kv(srv.grpc_url, need, a.concurrency)
+                except RuntimeError as e:
+                    print(f"perf/quality.py: {e}", file=sys.stderr)
+                    return 2
                 for p, missing in todo:
                     t0 = time.perf_counter()
                     data, path = caches[p.name], _cache_path(a.out, a.pair, p)
