@@ -28,7 +28,10 @@ decode loops, ZeroMQ channel and router logic: ``tokenrouter.tools.direct``):
 Every cell is capped in time so that the whole run keeps within ``--budget-s`` (480 s
 by default): requests still running at a cell's cap are cancelled (their tokens so far
 count; ``capped`` in the row) and cells that no longer fit are listed as skipped.
-The JSON (``gpu_matrix.json``) is rewritten after every stage under ``--out`` ($OUT).
+Under ``--out`` ($OUT; at most 7 files): ``gpu_matrix.json`` (rewritten after every stage),
+``calibration-<pair>.json`` (the step times in ``python -m scheduler_model``'s calibration
+format) and ``events-<pair>-N<n>.jsonl`` (both models' routing events of the eager-async cell,
+for ``scheduler_model profile --events``: the DTMC's B* from the measured GPU step times).
 
 ``--dry-run`` runs the same script path on the CPU with tiny shapes, 8 output tokens and
 a 300 s budget: bundle install (when ``--bundle`` is given), configs and tokenizer,
@@ -187,7 +190,8 @@ def summarize_requests(recs: List[Dict[str, Any]], wall_s: float) -> Dict[str, A
     """A cell's figures from its requests' records (``t0``, ``t_first``, ``t_last``, ``n``, ``llm``).
 
     Throughput: all output tokens over ``wall_s``; TPOT of a request: (t_last - t_first) / (n - 1)
-    (requests with at least 2 tokens); TTFT: t_first - t0; percentiles by nearest rank.
+    (requests with at least 2 tokens; t_first: its first text, t_last: its end); TTFT: t_first - t0;
+    percentiles by nearest rank.
     """
     def pct(xs: List[float], q: float) -> float:
         if not xs:
@@ -294,7 +298,11 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
     with lock-step switchable at run time (``configure`` key ``lockstep``: bool) and commands
     ``calibrate`` and ``memory`` on ``cmd_q``."""
     try:
-        prepare_process(dry_run)
+        host = prepare_process(dry_run)
+        if host.get("sgl_kernel_stubbed"):
+            import sglang_gpu_compat
+
+            sglang_gpu_compat.patch_loaded_sglang()
         from tokenrouter.engine.lockstep import TurnRing
         from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
         from tokenrouter.engine.subserver import Subserver, SubserverConfig
@@ -309,14 +317,28 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
             from tokenrouter.algorithms import configure as configure_algorithm
 
             extra["configure_algorithm"] = configure_algorithm
-        sub = Subserver(engine, name, SubserverConfig(**sched_kwargs), **extra)
+        log = {"f": None}  # routing events (scheduler_model's format), appended while a path is set
+
+        def sink(event: Dict[str, Any]) -> None:
+            f = log["f"]
+            if f is not None:
+                f.write(json.dumps(event) + "\n")  # one write per line: O_APPEND keeps the two models' lines whole
+                f.flush()
+
+        sub = Subserver(engine, name, SubserverConfig(**sched_kwargs), event_sink=sink, **extra)
         load_s = time.perf_counter() - t0
 
         def configure(settings: Dict[str, Any]) -> None:
             s = dict(settings)
             if "lockstep" in s:
                 s["lockstep"] = TurnRing(*ring) if s["lockstep"] else None
-            sub.reconfigure(**s)
+            if "event_log" in s:
+                path = s.pop("event_log")
+                if log["f"] is not None:
+                    log["f"].close()
+                log["f"] = open(path, "a", buffering=1) if path else None
+            if s:
+                sub.reconfigure(**s)
 
         server = PeerServer(sub, configure_fn=configure)
         out_q.put(("up", name, {"endpoint": server.endpoint, "load_s": load_s, "device": engine.device,
@@ -436,9 +458,15 @@ def set_mode(cluster: Cluster, mode: str, B: Dict[str, int], wait_s: float) -> T
 
 
 def run_cell(router_for, cluster: Cluster, mode: str, N: int, max_tokens: int, p: float, cap_s: float,
-             B: Dict[str, int], wait_s: float, prompts: List[str]) -> Dict[str, Any]:
-    """One cell: N clients, one request each, capped at ``cap_s`` seconds (then cancelled)."""
+             B: Dict[str, int], wait_s: float, prompts: List[str], event_log: str = "") -> Dict[str, Any]:
+    """One cell: N clients, one request each, capped at ``cap_s`` seconds (then cancelled).
+
+    ``event_log``: both models append their routing events (scheduler_model's format) to this
+    file during the cell (``python -m scheduler_model profile --events``)."""
     algo, params = set_mode(cluster, mode, B, wait_s)
+    if event_log:
+        for m in MODELS:
+            cluster.configure(m, event_log=event_log)
     router = router_for(algo, params if params is not None else {"p": p, "seed": 0})
     recs: List[Dict[str, Any]] = []
     lock = threading.Lock()
@@ -461,9 +489,11 @@ def run_cell(router_for, cluster: Cluster, mode: str, N: int, max_tokens: int, p
             rec["finish"] = out["finish_reason"]
         except Exception as e:  # noqa: BLE001 - one request's failure is recorded, not fatal
             rec["error"] = f"{type(e).__name__}: {e}"
-        rec["t_end"] = time.perf_counter()
+        # the last token's time is the request's end: text arrives in chunks (a token whose text is
+        # incomplete, as a lone UTF-8 byte, waits for the next), the request ends with its last token
+        rec["t_end"] = rec["t_last"] = time.perf_counter()
         if rec["t_first"] is None:
-            rec["t_first"] = rec["t_last"] = rec["t_end"]
+            rec["t_first"] = rec["t_end"]
         with lock:
             recs.append(rec)
 
@@ -478,6 +508,9 @@ def run_cell(router_for, cluster: Cluster, mode: str, N: int, max_tokens: int, p
         stop.set()
         for t in threads:
             t.join(timeout=30)
+    if event_log:
+        for m in MODELS:
+            cluster.configure(m, event_log="")
     wall = max((r["t_end"] for r in recs), default=time.perf_counter()) - t0
     row = {"mode": mode, "N": N, "max_tokens": max_tokens, "p": p, "cap_s": cap_s, "capped": capped,
            "algorithm": algo, **summarize_requests(recs, wall),
@@ -525,6 +558,10 @@ def run_pair(pair: str, shapes: Tuple[str, str], args, results: Dict[str, Any], 
             pr["step_times"][m] = cluster.command(m, "calibrate", {"batch_sizes": args.calib_sizes,
                                                                    "context": args.calib_context,
                                                                    "decode_steps": args.calib_steps})
+        calib = {"context": args.calib_context, "decode_steps": args.calib_steps, "batch_sizes": args.calib_sizes,
+                 "models": {m: {k: v for k, v in r.items() if k != "kind"} for m, r in pr["step_times"].items()}}
+        with open(os.path.join(args.out, f"calibration-{pair}.json"), "w") as f:  # scheduler_model's --calibration
+            json.dump(calib, f, indent=1)
         save(results, args.out)
         slm1 = median_decode(pr["step_times"]["slm"], 1) or 0.0
         wait_s = args.wait_factor * slm1
@@ -543,9 +580,12 @@ def run_pair(pair: str, shapes: Tuple[str, str], args, results: Dict[str, Any], 
                 pr["skipped"].append({**c, "reason": f"budget: {budget.left():.0f} s left"})
                 continue
             B = args.tokenrouter_b.get(c["N"], {"slm": 1, "llm": 1})
+            ev = os.path.join(args.out, f"events-{pair}-N{c['N']}.jsonl") if c["mode"] == "eager-async" else ""
             try:
                 row = run_cell(router_for, cluster, c["mode"], c["N"], args.max_tokens, args.p, cap, B, wait_s,
-                               prompts)
+                               prompts, event_log=ev)
+                if ev:
+                    row["event_log"] = os.path.basename(ev)
             except Exception as e:  # noqa: BLE001 - the next cells still run
                 row = {**c, "error": f"{type(e).__name__}: {e}"}
             pr["cells"].append(row)

@@ -29,7 +29,7 @@ import os
 import sys
 import types
 
-__all__ = ["install", "install_import_shims", "installed", "STUBBED"]
+__all__ = ["install", "install_import_shims", "installed", "patch_loaded_sglang", "STUBBED"]
 
 #: top-level packages replaced by stand-ins when they are not importable
 STUBBED = ("sgl_kernel",)
@@ -143,6 +143,22 @@ def install(force: bool = False) -> bool:
     os.environ.setdefault("SGLANG_FORCE_FUSED_OP_BACKEND", "torch")
     _installed = True
     return True
+
+
+def patch_loaded_sglang() -> list:
+    """After :func:`install`: SGLang paths that would build CUDA code at run time use their torch ones.
+
+    The KV-cache store (``memory_pool.can_use_store_cache``) compiles a kernel with nvcc through
+    tvm-ffi on first use and, where that fails, tries again at every call; here it takes its
+    torch path (``index_put`` into the pool) from the start. Returns what was patched.
+    """
+    patched = []
+    from sglang.srt.mem_cache import memory_pool
+
+    if hasattr(memory_pool, "can_use_store_cache"):
+        memory_pool.can_use_store_cache = lambda *args, **kwargs: False
+        patched.append("memory_pool.can_use_store_cache")
+    return patched
 
 
 def installed() -> bool:
