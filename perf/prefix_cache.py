@@ -45,7 +45,6 @@ from typing import Any, Callable, Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
 
 from loadgen import SteadyLoad, load_tokenizer, triton_client, window_summary  # noqa: E402
 
@@ -221,7 +220,9 @@ def main() -> int:
     tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
     sys_text = system_prompt(tok, a.system_tokens)
     questions = _questions()
-    report: Dict[str, Any] = {"args": {k: v for k, v in vars(a).items() if k != "out"}, "rows": []}
+    report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "pair": a.pair,
+                              "command": "python perf/prefix_cache.py " + " ".join(sys.argv[1:]),
+                              "args": {k: v for k, v in vars(a).items() if k != "out"}, "rows": []}
 
     def run(url: str) -> None:
         before = {m: bool(s["prefix_cache_enabled"]) for m, s in _stats(url).items()}

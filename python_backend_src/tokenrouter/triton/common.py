@@ -82,7 +82,7 @@ def json_or_empty(text: Optional[str]) -> Dict[str, Any]:
 
 
 #: default of the LLM models' ``prefix_cache`` parameter (docs/performance.md, "Prefix caching")
-PREFIX_CACHE_DEFAULT = False
+PREFIX_CACHE_DEFAULT = True
 
 
 def llm_settings(params: Dict[str, str]):
