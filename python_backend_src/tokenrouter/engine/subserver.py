@@ -47,8 +47,8 @@ FINAL_KINDS = ("handoff", "finished", "cancelled", "error")
 __all__ = ["Subserver", "LocalRequest", "SubserverConfig", "FINAL_KINDS", "BUSY_PREFIX"]
 
 #: start of the message of a request refused or ended because the model is busy (its KV queue
-#: is full, or the request waited past its queue timeout); the router answers it as Triton's
-#: UNAVAILABLE (HTTP 503), never as a failure
+#: is full, or the request waited past its queue timeout); the router answers it with Triton's
+#: UNAVAILABLE code and this message, never as a failure
 BUSY_PREFIX = "busy: "
 
 

@@ -22,7 +22,7 @@ Counters
                                                   running; ``invalid``: bad input; ``refused``: a model it
                                                   needs is down or the server is shutting down)
     ``tokenrouter:handoffs_total``                labels ``from``, ``to``
-    ``tokenrouter:request_busy_total``            requests answered "busy" (Triton UNAVAILABLE, HTTP 503),
+    ``tokenrouter:request_busy_total``            requests answered "busy" (Triton UNAVAILABLE, "busy: ..."),
                                                   label ``reason`` (``queue_full``: the router's or a model's
                                                   queue was full; ``queue_timeout``: the request waited past
                                                   its queue timeout); not counted as failures

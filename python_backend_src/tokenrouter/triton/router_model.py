@@ -50,7 +50,12 @@ Outputs
 Config parameters: ``models`` (comma-separated, deployment order; model 0 is
 the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 ``max_concurrent_requests``, ``default_max_tokens``, ``context_length``,
-``peer_timeout_s`` (a model silent this long fails the request; 0 = never),
+``peer_timeout_s`` (a model silent this long fails the request; 0 = never: the backstop for a
+hung model -- a dead one is found by its process or heartbeat, and a request waiting for KV
+ends at its queue timeout, as "busy", long before), the limits of :class:`RequestLimits`
+(``max_input_bytes``, ``max_queued_requests``, ``queue_timeout_s``) and of
+:class:`~tokenrouter.engine.sampling.InputLimits` (``max_sampling_parameters_bytes``,
+``max_json_depth``, ``max_stop_strings``, ``max_stop_string_bytes``, ``max_stop_token_ids``),
 ``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
 it needs is down; see :class:`_PeerFailure`), ``peer_restart_s`` (seconds between
 two attempts to get a dead model restarted), ``transport`` (below),
@@ -104,7 +109,8 @@ import triton_python_backend_utils as pb_utils
 
 from ..algorithms import configure as configure_algorithm
 from ..engine.detok import IncrementalDetokenizer
-from ..engine.sampling import SamplingParams, parse_sampling_parameters
+from ..engine.sampling import InputLimits, SamplingParams, check_json_text, parse_sampling_parameters
+from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
 from ..routing.peer_channel import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert,
                                     remove_advert, write_advert)
@@ -124,6 +130,65 @@ class ClientError(ValueError):
     """Bad input from the client: reported to that client only."""
 
 
+def longest_token_bytes(tokenizer) -> int:
+    """UTF-8 bytes of the longest token of ``tokenizer`` as text (special tokens included).
+
+    A prompt of n tokens has at most n times this many bytes, so a text longer than
+    ``context_length`` times it cannot fit the context (the default ``max_input_bytes``).
+    Fast tokenizers decode each id (about 0.1 s for 50k ids); others fall back to the
+    vocabulary's strings (an upper bound: byte-level BPE spells one byte with up to 2).
+    """
+    n = len(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        try:
+            # + 1: SentencePiece-style decoders drop the leading space of a text's first token
+            return 1 + max(len(backend.decode([i], skip_special_tokens=False).encode("utf-8")) for i in range(n))
+        except Exception:  # noqa: BLE001 - fall back to the vocabulary's strings
+            pass
+    return max(1, max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=16))
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The router's bounds on one request and on its queue (config parameters of the same names).
+
+    Attributes:
+        max_input_bytes: UTF-8 bytes of ``text_input``, checked before decoding and
+            tokenising.  Default: ``context_length`` × the longest token of the vocabulary in
+            bytes, a bound no prompt that fits the context can exceed.
+        max_queued_requests: requests accepted but waiting for one of the
+            ``max_concurrent_requests`` workers; beyond it a request is refused at once as busy.
+        queue_timeout_s: seconds a request may wait for a worker, and for KV on each model
+            it visits (sent to the models; they also have their own ``queue_timeout_s``);
+            Triton's per-request ``timeout`` parameter (microseconds) lowers it.  Past it the
+            request ends as busy.  0 = no limit.
+        sampling: limits of the sampling parameters (:class:`~tokenrouter.engine.sampling.InputLimits`).
+    """
+
+    max_input_bytes: int
+    max_queued_requests: int = 64
+    queue_timeout_s: float = 60.0
+    sampling: InputLimits = InputLimits()
+
+    @classmethod
+    def from_params(cls, p: Dict[str, str], context_length: int, tokenizer) -> "RequestLimits":
+        """Read them from the router's config parameters.
+
+        Raises:
+            ValueError: a parameter that is not a number, or out of range (naming it).
+        """
+        d = InputLimits()
+        sampling = InputLimits(**{k: param(p, k, getattr(d, k), int) for k in InputLimits.__dataclass_fields__})
+        lim = cls(max_input_bytes=param(p, "max_input_bytes", context_length * longest_token_bytes(tokenizer), int),
+                  max_queued_requests=param(p, "max_queued_requests", 64, int),
+                  queue_timeout_s=param(p, "queue_timeout_s", 60.0, float), sampling=sampling)
+        if lim.max_input_bytes < 1 or lim.max_queued_requests < 0 or not lim.queue_timeout_s >= 0:
+            raise ValueError(f"max_input_bytes must be >= 1, max_queued_requests >= 0 and queue_timeout_s "
+                             f">= 0; got {lim.max_input_bytes}, {lim.max_queued_requests}, {lim.queue_timeout_s}")
+        return lim
+
+
 def _opt_input(request, name: str):
     t = pb_utils.get_input_tensor_by_name(request, name)
     return None if t is None else t.as_numpy().reshape(-1)
@@ -138,14 +203,22 @@ def _bool_input(request, name: str, default: bool) -> bool:
     return bool(v[0])
 
 
-def _bytes_input(request, name: str) -> Optional[bytes]:
+def _bytes_input(request, name: str, limit: Optional[int] = None, key: str = "") -> Optional[bytes]:
+    """The one value of BYTES input ``name``; ``limit``: its most bytes (``key``: the limit's config key).
+
+    Raises:
+        ClientError: not one value, or longer than ``limit`` (checked before any decoding).
+    """
     v = _opt_input(request, name)
     if v is None or v.size == 0:
         return None
     if v.size != 1:
         raise ClientError(f"{name} must hold exactly one value, got {v.size}")
     x = v[0]
-    return x if isinstance(x, bytes) else str(x).encode("utf-8")
+    x = x if isinstance(x, bytes) else str(x).encode("utf-8")
+    if limit is not None and len(x) > limit:
+        raise ClientError(f"{name} is {len(x)} bytes; the limit is {limit} ({key})")
+    return x
 
 
 @dataclass
@@ -164,6 +237,8 @@ class _Job:
     arrival_t: float = 0.0
     worker_start_t: Optional[float] = None
     outputs: Dict[str, bool] = None  # vllm_backend's return_* switches
+    queue_deadline: Optional[float] = None  # time.monotonic() past which waiting makes it busy
+    expired: bool = False  # ended as busy while it waited for a worker
 
 
 #: vllm_backend's opt-in output switches: input name → (output name, default here)
@@ -178,14 +253,14 @@ _TRITON_RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "seque
                                          "timeout", "binary_data_output", "binary_data_size", "headers"})
 
 
-def _request_parameters(request) -> Optional[Dict[str, Any]]:
+def _request_parameters(request, limits: Optional[InputLimits] = None) -> Optional[Dict[str, Any]]:
     """The request's parameters (HTTP generate ``"parameters"``, gRPC parameters) as a dict, or None.
 
     Read as sampling parameters when the ``sampling_parameters`` input is absent,
     as vllm_backend does.
 
     Raises:
-        ClientError: the parameters are not a JSON object.
+        ClientError: the parameters are not a JSON object, or exceed ``limits`` (size, depth).
     """
     try:
         raw = request.parameters()
@@ -193,6 +268,12 @@ def _request_parameters(request) -> Optional[Dict[str, Any]]:
         return None
     if not raw:
         return None
+    if isinstance(raw, (str, bytes)):
+        try:
+            check_json_text(raw if isinstance(raw, str) else raw.decode("utf-8", "replace"), "parameters",
+                            limits or InputLimits())
+        except ValueError as e:
+            raise ClientError(str(e)) from None
     try:
         d = json.loads(raw) if isinstance(raw, (str, bytes)) else dict(raw)
     except (ValueError, TypeError) as e:
@@ -243,6 +324,7 @@ class TritonPythonModel:
             getattr(self.tokenizer, "model_max_length", 8192) if
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
         self.stop_token_ids = stop_token_ids(self.tokenizer)
+        self.limits = self._init_limits(p)
         self.vocab_size = len(self.tokenizer)  # ids >= this are no token (added tokens included)
         self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
                                        thread_name_prefix="router")
@@ -310,6 +392,13 @@ class TritonPythonModel:
             logger.warning("router: metrics unavailable", exc_info=True)
             return None
 
+    def _init_limits(self, p: Dict[str, str]) -> RequestLimits:
+        """The request and queue limits (:class:`RequestLimits`); TritonModelException on a bad value."""
+        try:
+            return RequestLimits.from_params(p, self.context_length, self.tokenizer)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+
     def _online_settings(self, p: Dict[str, str]):
         """The ``online_*`` parameters (:class:`tokenrouter.routing.online_bstar.OnlineSettings`).
 
@@ -351,6 +440,15 @@ class TritonPythonModel:
         except Exception:  # noqa: BLE001
             logger.debug("router: metrics update failed", exc_info=True)
 
+    def _io_busy(self, reason: str) -> None:
+        """Count one request answered "busy" (client I/O thread only)."""
+        if self.metrics is None:
+            return
+        try:
+            self.metrics.record_busy(reason)
+        except Exception:  # noqa: BLE001
+            logger.debug("router: metrics update failed", exc_info=True)
+
     def _io_load_gauges(self) -> None:
         if self.metrics is None:
             return
@@ -363,7 +461,10 @@ class TritonPythonModel:
 
     # ------------------------------------------------------------ validation
     def _parse(self, request) -> _Job:
-        raw = _bytes_input(request, "text_input")
+        """Validate one request; every size is checked before the work that grows with it
+        (decoding, JSON parsing, tokenising).  Raises ClientError naming the input and limit."""
+        lim = self.limits
+        raw = _bytes_input(request, "text_input", lim.max_input_bytes, "max_input_bytes")
         if raw is None:
             raise ClientError("text_input is required")
         try:
@@ -372,14 +473,16 @@ class TritonPythonModel:
             raise ClientError(f"text_input is not valid UTF-8: {e}") from None
         if not prompt.strip():
             raise ClientError("text_input is empty")
-        sp_raw = _bytes_input(request, "sampling_parameters")
+        sp_raw = _bytes_input(request, "sampling_parameters", lim.sampling.max_sampling_parameters_bytes,
+                              "max_sampling_parameters_bytes")
         source = "sampling_parameters" if sp_raw is not None else "parameters"  # named in errors
         try:
             if sp_raw is not None:
-                sp = parse_sampling_parameters(sp_raw.decode("utf-8"), self.default_max_tokens)
+                sp = parse_sampling_parameters(sp_raw.decode("utf-8"), self.default_max_tokens,
+                                               limits=lim.sampling)
             else:
-                sp = parse_sampling_parameters(_request_parameters(request), self.default_max_tokens,
-                                               source=source)
+                sp = parse_sampling_parameters(_request_parameters(request, lim.sampling), self.default_max_tokens,
+                                               source=source, limits=lim.sampling)
         except UnicodeDecodeError:
             raise ClientError("sampling_parameters is not valid UTF-8") from None
         except ValueError as e:
@@ -426,6 +529,11 @@ class TritonPythonModel:
                 self._out.put((None, "metrics", "refused"))
                 self._out.put((request.get_response_sender(), "error", refusal))
                 continue
+            busy = self._queue_full()
+            if busy:
+                self._out.put((None, "busy", "queue_full"))
+                self._out.put((request.get_response_sender(), "busy", busy))
+                continue
             try:
                 job = self._parse(request)
             except ClientError as e:
@@ -438,10 +546,55 @@ class TritonPythonModel:
                 self._out.put((request.get_response_sender(), "error", f"invalid request: {e}"))
                 continue
             job.arrival_t = arrival
+            job.queue_deadline = self._queue_deadline(request, arrival)
             with self._active_lock:
                 self._active[job.rid] = job
             self.pool.submit(self._run_guarded, job)
         return None
+
+    # ------------------------------------------------------------------ queue
+    def _queue_full(self) -> Optional[str]:
+        """The busy message when ``max_queued_requests`` requests already wait for a worker, else None."""
+        with self._active_lock:
+            waiting = len(self._active) - self._running
+        if waiting < self.limits.max_queued_requests:
+            return None
+        return (f"{BUSY_PREFIX}token_router has {waiting} requests waiting for one of its "
+                f"{self.pool._max_workers} workers; the limit is {self.limits.max_queued_requests} "
+                f"(max_queued_requests); retry later")
+
+    def _queue_timeout_s(self, request) -> float:
+        """The request's queue timeout in seconds: ``queue_timeout_s``, lowered by Triton's per-request
+        ``timeout`` parameter (microseconds; 0 or absent = none); 0 = no limit."""
+        t = self.limits.queue_timeout_s
+        try:
+            us = int(request.timeout())
+        except Exception:  # noqa: BLE001 - a stub without request timeouts
+            us = 0
+        if us > 0:
+            t = min(t, us / 1e6) if t else us / 1e6
+        return t
+
+    def _queue_deadline(self, request, arrival: float) -> Optional[float]:
+        t = self._queue_timeout_s(request)
+        return arrival + t if t else None
+
+    def _expire_queued(self, now: float) -> None:
+        """(client I/O thread) End as busy every request that waited for a worker past its deadline."""
+        expired = []
+        with self._active_lock:
+            for job in list(self._active.values()):
+                if job.worker_start_t is None and job.queue_deadline is not None and now > job.queue_deadline:
+                    job.expired = True
+                    del self._active[job.rid]
+                    expired.append(job)
+        for job in expired:
+            self._io_busy("queue_timeout")
+            self._send(job, "busy", f"{BUSY_PREFIX}token_router: the request waited "
+                                    f"{now - job.arrival_t:.1f} s for a worker (all "
+                                    f"{self.pool._max_workers} busy); its queue timeout is "
+                                    f"{job.queue_deadline - job.arrival_t:g} s (queue_timeout_s, or "
+                                    f"the request's timeout); retry later")
 
     # ------------------------------------------------------- model endpoints
     def _discover_endpoint(self, model: str) -> str:
@@ -525,6 +678,8 @@ class TritonPythonModel:
                 done.set()
             elif kind == "metrics":
                 self._io_metrics(payload)
+            elif kind == "busy" and sender is None:
+                self._io_busy(payload)
             elif kind == "call":  # work that must run on this thread (metrics, restart kicks)
                 try:
                     payload()
@@ -537,6 +692,9 @@ class TritonPythonModel:
                     elif kind == "final":
                         sender.send(pb_utils.InferenceResponse(output_tensors=[
                             pb_utils.Tensor(k, v) for k, v in payload.items()]), flags=_FINAL)
+                    elif kind == "busy":  # UNAVAILABLE (Triton 2.51's HTTP generate still answers 400)
+                        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                            payload, pb_utils.TritonError.UNAVAILABLE)), flags=_FINAL)
                     else:
                         sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(payload)), flags=_FINAL)
                 except Exception:  # noqa: BLE001 - e.g. the client has gone
@@ -544,6 +702,7 @@ class TritonPythonModel:
             now = time.monotonic()
             if now >= next_sweep:
                 next_sweep = now + CANCEL_CHECK_INTERVAL_S
+                self._expire_queued(now)
                 with self._active_lock:
                     jobs = list(self._active.values())
                 self._io_load_gauges()
@@ -567,8 +726,10 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- request
     def _run_guarded(self, job: _Job) -> None:
-        job.worker_start_t = time.monotonic()
         with self._active_lock:
+            if job.expired:  # answered as busy by the client I/O thread while it waited
+                return
+            job.worker_start_t = time.monotonic()
             self._running += 1
         try:
             self._run(job)
@@ -577,6 +738,10 @@ class TritonPythonModel:
             self._out.put((None, "metrics", "error"))
             self._send(job, "error", self.failure.describe(e))
         except Exception as e:  # noqa: BLE001 - error to this client only
+            if str(e).startswith(BUSY_PREFIX):  # a model's KV queue was full or its wait ran out
+                self._out.put((None, "busy", "queue_timeout" if "queue timeout" in str(e) else "queue_full"))
+                self._send(job, "busy", str(e))
+                return
             logger.exception("router: request %s failed", job.rid)
             self._out.put((None, "metrics", "error"))
             self._send(job, "error", str(e))
@@ -590,6 +755,8 @@ class TritonPythonModel:
                                        include_stop_str=job.sp.include_stop_str_in_output,
                                        skip_special_tokens=job.sp.skip_special_tokens)
         header = make_header(job.rid, job.sp, self.algorithm, job.params, self.models, self.stop_token_ids)
+        if job.queue_deadline is not None:  # each model's KV queue waits at most this long for it
+            header.extras["queue_timeout_s"] = round(job.queue_deadline - job.arrival_t, 3)
         first = self.algo_cls.first_model(job.params, rid=job.rid, sampling=header.sampling)
         fallback = self.failure.fallback
         if fallback:
