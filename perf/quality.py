@@ -62,13 +62,22 @@ stop tokens, ``stop_strings``), on the same problems, in the served models' dtyp
 their difference (the issue asks for ≤ 3 points), the paired McNemar test and how many
 completions are identical.
 
+**Run time**: a point costs its problems' output tokens over its throughput.  A smoke run on a
+shared 2-core host (qwen-coder, 4 problems, N = 4; about 50 output tokens per problem) gave
+16 tok/s slm-only, 4.7 llm-only, 10 for random p = 0.3, 21 for R-Stitch τ = 0.2 (1 % LLM tokens):
+all 164 problems take about 9 min slm-only and 30 min llm-only there, so a sweep is a series of
+commands over slices of the problems (each resumes the cache, and a stopped one is repeated).
+
     source deploy/env.sh
     python perf/quality.py --pair demo --problems 4 --random 0.5 --points rstitch:tau=0.2   # smoke
-    python perf/quality.py --pair qwen-coder --problems all --random 0.1,0.2,0.3,0.5 \\
-        --points rstitch:tau=0.1,0.2,0.3,0.4 --plot quality.png
+    for s in 0:41 41:82 82:123 123:164; do       # baselines and the random control
+        python perf/quality.py --pair qwen-coder --problems $s --random 0.1,0.2,0.3,0.5; done
+    for s in 0:41 41:82 82:123 123:164; do       # an algorithm's operating points
+        python perf/quality.py --pair qwen-coder --problems $s --baselines '' --random '' \\
+            --points rstitch:tau=0.05,0.1,0.2,0.3; done
     python perf/quality.py --pair qwen-coder --problems all --report --plot quality.png    # cache only
-    python perf/quality.py --pair qwen-coder --problems all --baselines slm-only,llm-only \\
-        --random '' --reference transformers                                           # check
+    python perf/quality.py --pair qwen-coder --problems all --baselines '' --random '' \\
+        --reference transformers                                                        # check
 """
 
 from __future__ import annotations
