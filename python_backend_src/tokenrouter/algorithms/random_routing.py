@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, Optional
 
-from ..routing.protocol import StepResult
+from ..protocol import StepResult
 from .base import ParamSpec, RoutingAlgorithm, request_key, request_uniform
 
 __all__ = ["RandomRouting"]
