@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tokenrouter.routing.peer_channel import PeerClient
+from tokenrouter.routing.peer import PeerClient
 from tokenrouter.tools import admin
 from tokenrouter.tools.repository import read_config, write_config
 from tr_client import generate, metric_values, wait_kv_released

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from tokenrouter.routing.curve import CurveClient, CurveServer, make_keys
-from tokenrouter.routing.peer_channel import PeerClient, PeerDownError, PeerServer, parse_remote_models
+from tokenrouter.routing.peer import PeerClient, PeerDownError, PeerServer, parse_remote_models
 from tokenrouter.protocol import PeerReq
 
 

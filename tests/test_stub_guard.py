@@ -25,7 +25,7 @@ def test_advert_removed_after_the_server_died(tmp_path):
         tempfile.tempdir = {str(tmp_path)!r}
         from tokenrouter import proc
         from tokenrouter.engine import lockstep
-        from tokenrouter.routing import peer_channel
+        from tokenrouter.routing.peer import adverts
 
         r, w = os.pipe()
         if os.fork():  # the "server": exits once its stub has advertised
@@ -34,7 +34,7 @@ def test_advert_removed_after_the_server_died(tmp_path):
             os._exit(0)
         os.close(r)
         server = os.getppid()
-        path = peer_channel.write_advert("llm", "ipc://" + os.path.join(tempfile.gettempdir(), "none.sock"))
+        path = adverts.write_advert("llm", "ipc://" + os.path.join(tempfile.gettempdir(), "none.sock"))
         ring = lockstep.default_ring_path("g")
         os.write(w, b"x")
         for _ in range(500):
@@ -43,9 +43,9 @@ def test_advert_removed_after_the_server_died(tmp_path):
             time.sleep(0.01)
         lines = [f"reparented {{os.getppid() != server}}",
                  f"server_pid {{proc.server_pid() == server}}",
-                 f"same_path {{peer_channel.advert_path('llm') == path}}",
+                 f"same_path {{adverts.advert_path('llm') == path}}",
                  f"same_ring {{lockstep.default_ring_path('g') == ring}}"]
-        peer_channel.remove_advert("llm")
+        adverts.remove_advert("llm")
         lines.append(f"removed {{not os.path.exists(path)}}")
         with open({str(result)!r} + ".tmp", "w") as f:
             f.write("\\n".join(lines) + "\\n")

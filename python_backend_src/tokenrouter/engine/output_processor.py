@@ -13,15 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, List
+from typing import Any, Dict, List
 
 import torch
 
 from ..protocol import FinishReason, StepResult
 from .sampling import normalized_entropy
 
-if TYPE_CHECKING:
-    from .subserver import LocalRequest
+#: a :class:`tokenrouter.engine.subserver.LocalRequest` (subserver imports this module, not the reverse)
+LocalRequest = Any
 
 logger = logging.getLogger(__name__)
 

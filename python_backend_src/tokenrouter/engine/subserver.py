@@ -28,12 +28,10 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import torch
 
-from ..algorithms import RoutingAlgorithm
-from ..algorithms import configure as configure_algorithm
 from ..protocol import FinishReason, PeerReq
 from .output_processor import OutputProcessorMixin
 from .sampling import BatchSampler, validate_sampling
@@ -134,7 +132,7 @@ class LocalRequest:
     rid: str
     seq: Sequence
     header: PeerReq
-    algo: RoutingAlgorithm
+    algo: Any  # a tokenrouter.algorithms.RoutingAlgorithm
     loc: int
     sink: Optional[Sink]
     reserved_tokens: int
@@ -160,13 +158,20 @@ class Subserver(OutputProcessorMixin):
             scheduler_model's event format: ``step`` and ``handoff``).
         on_idle: optional callable run by the loop after it processes work
             and has nothing ready (e.g. to refresh metrics).
+        configure_algorithm: the routing-algorithm registry,
+            ``configure_algorithm(name, params, n_models)`` → ``(algorithm class, checked params)``
+            (:func:`tokenrouter.algorithms.configure`; raises ValueError for a bad name or params).
+            The subserver builds one instance per request and model from a PeerReq's
+            ``algorithm`` and ``params``; the algorithms sit above the engine, so it is handed in.
     """
 
     def __init__(self, engine, name: str,
                  config: Optional[SubserverConfig] = None,
                  event_sink: Optional[Callable[[dict], None]] = None,
-                 on_idle: Optional[Callable[[], None]] = None):
+                 on_idle: Optional[Callable[[], None]] = None, *,
+                 configure_algorithm: Callable[[str, Any, int], Tuple[type, Dict[str, Any]]]):
         self.engine = engine
+        self._configure_algorithm = configure_algorithm
         self.name = name
         self.config = config or SubserverConfig()
         self.event_sink = event_sink
@@ -488,22 +493,22 @@ class Subserver(OutputProcessorMixin):
         lr.drafts = 0
         return tokens[keep:]
 
-    def _set_verify(self, lr: LocalRequest, algo: RoutingAlgorithm) -> None:
+    def _set_verify(self, lr: LocalRequest, algo) -> None:
         """Speculative decoding, verifying model: mark the drafts the next step checks."""
         lr.verify = list(algo.drafts_to_verify())
         if lr.verify:
             lr.seq.verify_positions = len(lr.verify) + 1
             lr.loc = len(lr.seq.tokens) - len(lr.verify)
 
-    def _make_algo(self, peer_req: PeerReq) -> RoutingAlgorithm:
+    def _make_algo(self, peer_req: PeerReq):
         if self.name not in peer_req.models:
             raise ValueError(f"model {self.name!r} is not in the request's model list {peer_req.models}")
-        cls, params = configure_algorithm(peer_req.algorithm, peer_req.params, len(peer_req.models))
+        cls, params = self._configure_algorithm(peer_req.algorithm, peer_req.params, len(peer_req.models))
         algo = cls(peer_req.models.index(self.name), len(peer_req.models), params)
         algo.attach(self.engine)  # learned routers: hidden-state capture check, embeddings
         return algo
 
-    def _admit(self, peer_req: PeerReq, sink: Sink, algo: RoutingAlgorithm, need: int) -> None:
+    def _admit(self, peer_req: PeerReq, sink: Sink, algo, need: int) -> None:
         tokens = algo.receive(peer_req)  # the PeerReq's tokens (+ drafts to verify: speculative)
         n_drafts = len(algo.drafts_to_verify())
         # drafts join after the add, so that a prefix-cache match never covers a drafted position

@@ -1,6 +1,6 @@
 """The router's replicas of each model over ZeroMQ: which are up, and which holds which request.
 
-:class:`~tokenrouter.routing.peer_channel.PeerClient` owns the sockets and the I/O thread;
+:class:`~tokenrouter.routing.peer.PeerClient` owns the sockets and the I/O thread;
 this module owns the bookkeeping they act on (no sockets are opened or closed here):
 
 * a request's first segment on a model goes to the live replica holding the fewest

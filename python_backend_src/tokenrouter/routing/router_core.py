@@ -4,7 +4,7 @@ Paper §Design, "Three decoupled loops": the inter-model loop forwards a
 handing-off model's PeerReq, with the token suffix the peer has not seen, to
 that peer.  :func:`drive` runs one request through the models until it ends;
 the *transport* reaches the models — the ZeroMQ channel
-(:class:`tokenrouter.routing.peer_channel.PeerClient`), used by ``token_router`` and by
+(:class:`tokenrouter.routing.peer.PeerClient`), used by ``token_router`` and by
 the no-Triton baseline :mod:`tokenrouter.tools.direct`.
 
 A transport has two methods:
@@ -17,7 +17,7 @@ A transport has two methods:
   is noticed even when the model sends nothing;
 * ``release(model, rid)`` → frees the request's state on ``model``.
 
-A transport raises :class:`~tokenrouter.routing.peer_channel.PeerDownError` (it has a
+A transport raises :class:`~tokenrouter.routing.peer.PeerDownError` (it has a
 ``model`` attribute) when a model's process is gone.  :func:`drive` then either
 fails the request (``fallback=False``, the ``on_peer_failure: fail`` mode) or
 goes on on a live model (``fallback=True``): from its pending state there when
@@ -32,7 +32,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
 
-from .peer_channel import PeerDownError
+from .segments import PeerDownError
 from ..protocol import FinishReason, PeerReq
 
 __all__ = ["RoutedRequest", "drive"]

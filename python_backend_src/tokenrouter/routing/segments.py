@@ -7,7 +7,7 @@ them, and turns a silent queue into ticks and, at the stall timeout, an error.
 :class:`DownMarks` holds which models are down and why (paper §Design: a request that
 cannot reach its next model fails alone; the others go on).
 
-Used by :class:`tokenrouter.routing.peer_channel.PeerClient` (ZeroMQ) and
+Used by :class:`tokenrouter.routing.peer.PeerClient` (ZeroMQ) and
 :class:`tokenrouter.triton.transport.TritonTransport` (BLS).
 """
 

@@ -23,10 +23,12 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
 
     sglang_cpu_compat.install()
     from ..engine.sglang_engine import EngineConfig, SGLangEngine
+    from ..algorithms import configure as configure_algorithm
     from ..engine.subserver import Subserver, SubserverConfig
-    from ..routing.peer_channel import PeerServer
+    from ..routing.peer import PeerServer
 
-    sub = Subserver(SGLangEngine(EngineConfig(**engine_kwargs)), name, SubserverConfig(**sched_kwargs))
+    sub = Subserver(SGLangEngine(EngineConfig(**engine_kwargs)), name, SubserverConfig(**sched_kwargs),
+                    configure_algorithm=configure_algorithm)
     server = PeerServer(sub)
     out_q.put((name, server.endpoint))
     cmd_q.get()  # "stop"
@@ -48,7 +50,7 @@ class DirectCluster:
     """
 
     def __init__(self, models: Dict[str, Tuple[Dict[str, Any], Dict[str, Any]]], start_timeout_s: float = 600):
-        from ..routing.peer_channel import PeerClient
+        from ..routing.peer import PeerClient
 
         ctx = mp.get_context("spawn")
         out = ctx.Queue()
@@ -75,7 +77,7 @@ class DirectCluster:
         return {p.name[len("direct-"):]: p.pid for p in self._procs}
 
     def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
-        """One visit of ``rid`` to ``model`` (see :meth:`tokenrouter.routing.peer_channel.PeerClient.segment`)."""
+        """One visit of ``rid`` to ``model`` (see :meth:`tokenrouter.routing.peer.PeerClient.segment`)."""
         return self.peers.segment(model, rid, tokens, header)
 
     def release(self, model: str, rid: str) -> None:

@@ -1,7 +1,7 @@
 """Triton model for one LLM subserver (``slm``, ``llm``, …): decoupled Python backend.
 
 A router with ``transport: zmq`` reaches the model over the ZeroMQ inter-model
-channel (:mod:`tokenrouter.routing.peer_channel`: a ROUTER socket at ``peer_endpoint``,
+channel (:mod:`tokenrouter.routing.peer`: a ROUTER socket at ``peer_endpoint``,
 default a fresh ``ipc://`` path, which op ``endpoint`` reports).  The same
 operations are served as Triton requests: a router with ``transport: triton``
 (:mod:`tokenrouter.triton.transport`) sends every segment that way, and admin
@@ -77,13 +77,14 @@ from typing import Any, Dict, List
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
+from ..algorithms import configure as configure_algorithm
 from ..engine.event_ring import EventRing
 from ..engine.lockstep import TurnRing, default_ring_path
 from ..engine.sglang_engine import EngineConfig, SGLangEngine
 from ..engine.subserver import FINAL_KINDS, Subserver, SubserverConfig
 from ..routing.curve import CurveServer
 from ..proc import process_start_time, server_pid
-from ..routing.peer_channel import PeerServer, dead_routers, remove_advert, write_advert
+from ..routing.peer import PeerServer, dead_routers, remove_advert, write_advert
 from ..protocol import PeerReq
 from . import model_control
 from .common import llm_settings, model_parameters, param
@@ -166,7 +167,7 @@ class TritonPythonModel:
         # the Triton I/O thread: the only thread that sends responses and publishes metrics
         self._io_q: "queue.Queue" = queue.Queue()
         self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._on_event,
-                                   on_idle=self._refresh_metrics_idle)
+                                   on_idle=self._refresh_metrics_idle, configure_algorithm=configure_algorithm)
         endpoint = param(p, "peer_endpoint", "") or None
         self.peer_server = PeerServer(self.subserver, endpoint, configure_fn=self._configure,
                                       events_fn=self._events,
@@ -453,7 +454,7 @@ class TritonPythonModel:
 
     # -------------------------------------------------------------- liveness
     def _start_liveness(self) -> None:
-        """Advertise the endpoint and this process to the router (``peer_channel.write_advert``:
+        """Advertise the endpoint and this process to the router (``routing.peer.write_advert``:
         the router watches the process and finds a restarted model's new endpoint there) and
         clean up if tritonserver goes away without finalising this stub (``stub_guard``)."""
         from . import stub_guard
@@ -473,7 +474,7 @@ class TritonPythonModel:
         """
         import fcntl
 
-        from ..routing.peer_channel import advert_path
+        from ..routing.peer import advert_path
 
         refused = set()
         while not self._closing.wait(interval_s):

@@ -68,7 +68,7 @@ after 2 s without an answer), ``curve`` (``on`` default / ``off``),
 ``curve_secret_key_file`` and ``curve_server_public_keys`` (CURVE on TCP: see
 :mod:`tokenrouter.routing.curve`).
 
-Models are reached over the ZeroMQ channel of :mod:`tokenrouter.routing.peer_channel`:
+Models are reached over the ZeroMQ channel of :mod:`tokenrouter.routing.peer`:
 a model of ``remote_models`` at its listed endpoints (new requests spread over its
 replicas, each request staying on the replica that holds its state); any other
 model's endpoint is read from its advert file or asked once with a BLS call
@@ -112,8 +112,8 @@ from ..engine.detok import IncrementalDetokenizer
 from ..engine.sampling import InputLimits, SamplingParams, check_json_text, parse_sampling_parameters
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
-from ..routing.peer_channel import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert,
-                                    remove_advert, write_advert)
+from ..routing.peer import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert,
+                            remove_advert, write_advert)
 from ..protocol import FinishReason
 from ..routing.router_core import drive, encode_prompt, make_header, stop_token_ids
 from . import model_control
@@ -600,7 +600,7 @@ class TritonPythonModel:
     def _discover_endpoint(self, model: str) -> str:
         """The ZeroMQ endpoint of ``model`` (called by the PeerClient once per model).
 
-        The model's advert file (``peer_channel.read_advert``: endpoint, pid and
+        The model's advert file (``routing.peer.read_advert``: endpoint, pid and
         start time of its live stub) is used when there is one; else a BLS call
         asks the model.  The BLS call runs on the client I/O thread, the only
         thread of this stub that calls into the Python backend (concurrent calls
@@ -856,10 +856,10 @@ class _PeerFailure:
     """What the router does about models that are down (issue: a dead model must not take
     routed requests down with it).
 
-    * **Detection**: :class:`~tokenrouter.routing.peer_channel.PeerClient` watches each model's
+    * **Detection**: :class:`~tokenrouter.routing.peer.PeerClient` watches each model's
       stub process (pid and start time from its advert or endpoint answer, checked
       every 0.25 s); when it exits, requests waiting on it end at once with
-      :class:`~tokenrouter.routing.peer_channel.PeerDownError` and :meth:`on_down` runs.
+      :class:`~tokenrouter.routing.peer.PeerDownError` and :meth:`on_down` runs.
     * ``on_peer_failure = "fail"`` (default): those requests get an error naming the
       model, and new requests are refused at once (:meth:`refusal`) until it is back.
     * ``on_peer_failure = "fallback"``: requests go on on a live model (SLM-only),

@@ -1,7 +1,7 @@
 """Triton transport: every visit of a request to a model is a decoupled BLS request.
 
 The router's ``transport: triton`` mode (see :mod:`tokenrouter.triton.router_model`).
-Where the ZeroMQ channel (:mod:`tokenrouter.routing.peer_channel`) sends PeerReqs past
+Where the ZeroMQ channel (:mod:`tokenrouter.routing.peer`) sends PeerReqs past
 Triton, here each *segment* — one visit of a request to a model — is a Triton
 request to that model (inputs ``request_id``, ``op = run``, ``input_ids`` = the
 token suffix the model has not seen, ``peer_req`` = the PeerReq header JSON),
@@ -11,7 +11,7 @@ arrivals (see ``docs/transport.md``) and ``/v2/models/<model>/stats`` counts the
 ``release`` is a request with ``op = release``; ``stats`` / ``configure`` /
 ``ping`` likewise.  :class:`TritonTransport` has the interface
 :func:`tokenrouter.routing.router_core.drive` expects (the same as
-:class:`~tokenrouter.routing.peer_channel.PeerClient`).
+:class:`~tokenrouter.routing.peer.PeerClient`).
 
 Threading — what the Triton 2.51 Python backend (python_backend r24.10) allows
 -------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ Failure: a model whose stub died is found in two ways — its advert's process i
 gone (checked every ``liveness_interval_s``, as the ZeroMQ client does), or a BLS
 call answers "Stub process ... is not healthy" (or the model is unknown / not
 ready).  Either marks the model *down*: its open segments end at once with
-:class:`~tokenrouter.routing.peer_channel.PeerDownError` and new calls raise it.  A pump
+:class:`~tokenrouter.routing.peer.PeerDownError` and new calls raise it.  A pump
 blocked on a dead stub's stream stays blocked (the 2.51 backend sends nothing
 more); it holds no lock and only its thread is lost.
 """
