@@ -45,3 +45,58 @@ def triton_server(tmp_path_factory):
     finally:
         server.stop()
         print(f"\ntritonserver log: {log}", file=sys.stderr)
+
+
+# ------------------------------------------------------------------ markers and timings
+# `server`: the test starts a tritonserver; `slow`: it runs for seconds without one (long
+# simulations, or an SGLang engine in the test process).  Found from the source of the test and
+# of its fixtures (a TritonServer or an SGLangEngine built there), so a new test is marked
+# without anyone remembering to; the other cases are marked by hand (a subprocess that starts a
+# server, a long simulation).  `tests/run --quick` runs the rest: -m "not server and not slow".
+_BUILDS = {"server": "TritonServer(", "slow": "SGLangEngine("}
+
+
+def _source(fn) -> str:
+    import inspect
+
+    try:
+        return inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+
+
+def _builds(item, call: str) -> bool:
+    """True when the test or one of its fixtures calls ``call`` (e.g. ``TritonServer(``)."""
+    if call in _source(getattr(item, "function", None)):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    for name in getattr(item, "fixturenames", ()):
+        for fd in (info.name2fixturedefs.get(name, ()) if info is not None else ()):
+            if call in _source(fd.func):
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        for marker, call in _BUILDS.items():
+            if item.get_closest_marker(marker) is None and _builds(item, call):
+                item.add_marker(getattr(pytest.mark, marker))
+
+
+_FILE_SECONDS: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """Seconds per test file: setup (module fixtures, servers), call and teardown of its tests."""
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _FILE_SECONDS:
+        return
+    terminalreporter.section("seconds per test file")
+    for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{s:8.1f}  {path}")
+    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  total")

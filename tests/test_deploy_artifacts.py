@@ -400,6 +400,7 @@ def test_serve_refuses_bad_options_before_starting(args, message):
 
 
 
+@pytest.mark.server  # deploy/serve starts a tritonserver
 def test_serve_stops_waiting_when_a_model_fails_to_load(tmp_path):
     """A router that cannot load (an unknown algorithm, written by hand: the repository tool
     refuses it) ends ``deploy/serve --background`` with the load error, not after --timeout,

@@ -65,6 +65,7 @@ def smollm2_dir() -> Path:
     return path
 
 
+@pytest.mark.slow  # loads the checkpoint in transformers
 def test_weights_answer_paris(smollm2_dir):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -427,6 +427,7 @@ def test_steady_load_cancel_ends_the_server_requests(triton_server, tokenizer):
     assert out["text_output"]
 
 
+@pytest.mark.server  # bench_matrix.py starts a tritonserver (and the no-triton workers)
 def test_bench_matrix_tiny(repo_root, tmp_path):
     """Every mode end to end, 2 interleaved repeats (no-triton's workers beside the server)."""
     out = tmp_path / "matrix"

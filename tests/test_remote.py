@@ -53,6 +53,8 @@ HEARTBEAT_TIMEOUT_S = "5"
 PROMPTS = ["What is the capital of France?", "Name three planets.", "Write a haiku about the sea."]
 GREEDY = {"max_tokens": 24, "temperature": 0}
 
+pytestmark = pytest.mark.server  # the cluster's servers start in a helper class
+
 
 def _available_gib() -> float:
     for line in Path("/proc/meminfo").read_text().splitlines():

@@ -231,6 +231,7 @@ def test_wait_bound_state_invariants():
     np.testing.assert_allclose(np.asarray(ch.P.sum(axis=1)).ravel(), 1.0, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wait_s", [0.004, 0.025])
 def test_wait_bound_chain_matches_the_simulator(wait_s):
     """The exact chain with a wait bound against the discrete-event simulator with the same bound

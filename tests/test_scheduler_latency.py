@@ -153,6 +153,7 @@ def test_profile_writes_the_model_and_old_profiles_load(tmp_path):
     assert main(["solve", "--profile", str(p), "--json"]) == 0
 
 
+@pytest.mark.slow
 def test_solve_at_n32_searches_every_threshold(tmp_path, capsys):
     """N = 32, no threshold fixed: the search spans the whole feasible set and says which method it used."""
     prof = profile_from_events(_events(), ["slm", "llm"], 32, quantum_s=0.002)

@@ -78,6 +78,7 @@ def test_crn_identical_candidates_identical_estimates():
     assert T[0] != T[2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", [two(6, P=[[0.8, 0.2], [0.3, 0.7]], C=[[1, 1], [1, 0]]), three(5)],
                          ids=["M2-N6", "M3-N5"])
 def test_crn_simulator_matches_exact(system):
@@ -92,6 +93,7 @@ def test_crn_simulator_matches_exact(system):
         assert abs(t - exact) / exact < 0.02
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("system", [two(8, P=[[0.8, 0.2], [0.3, 0.7]], C=[[1, 1], [1, 0]]), three(6)],
                          ids=["M2-N8", "M3-N6"])
 def test_racing_finds_near_optimal_B(system):
@@ -103,6 +105,7 @@ def test_racing_finds_near_optimal_B(system):
     assert len(race.table) == len(ex.table)
 
 
+@pytest.mark.slow
 def test_crn_simulator_with_a_wait_bound_matches_the_exact_chain():
     """The CRN simulator's timer rule is the chain's (dtmc ``w_i``): the same T with the wait
     bound, where the bound moves T well away from the unbounded value."""
@@ -120,6 +123,7 @@ def test_crn_simulator_with_a_wait_bound_matches_the_exact_chain():
         assert abs(free - bounded) / bounded > 0.05, (B, free, bounded)
 
 
+@pytest.mark.slow
 def test_search_with_a_wait_bound_ranks_long_waits_as_serving_does():
     """Without the bound a large B_llm is predicted to wait for B_llm requests however long that
     takes; with it, B_llm = N waits at most the bound, and both methods say so."""

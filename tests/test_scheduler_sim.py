@@ -25,6 +25,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_dtmc_within_one_percent_of_simulator(name):
     system, B = CASES[name]

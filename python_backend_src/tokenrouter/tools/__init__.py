@@ -1,4 +1,5 @@
-"""Operator tools: admin calls, the CLI client, repositories and deployments, the OpenAI front end, soak, router training, the no-Triton benchmark path (direct).
+"""Operator tools: admin calls, the CLI client, repositories and deployments, the OpenAI front end, soak,
+router training, and the no-Triton benchmark path (:mod:`tokenrouter.tools.direct`).
 
 Each runs as ``python -m tokenrouter.tools.<name>``.
 """
