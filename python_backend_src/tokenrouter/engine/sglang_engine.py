@@ -409,6 +409,9 @@ class SGLangEngine:
         self.vocab_size = int(self.model_config.vocab_size)
         self.context_length = int(self.model_config.context_len)
         self.kv_capacity = int(self.runner.token_to_kv_pool_allocator.available_size())
+        if self.kv_capacity < cfg.kv_pool_tokens:  # SGLang sized it down to the memory free at load
+            logger.warning("engine %s: KV pool of %d tokens, not kv_pool_tokens=%d: too little memory was "
+                           "free when the model loaded", cfg.model_path, self.kv_capacity, cfg.kv_pool_tokens)
         self._tree_cache = _NoPrefixCache(get_schedule().page_size, self.runner.device,
                                           self.runner.token_to_kv_pool_allocator)
         self.prefix_cache = None  # RadixPrefixCache when cfg.prefix_cache
