@@ -6,8 +6,9 @@
     python perf/speculative.py --k 4 --concurrency 1 --duration 20 --windows 2   # a smoke run
 
 One tritonserver serves the pair (``tokenrouter.tools.repository.make_variant``) with one router
-model per setting: ``llm`` (algorithm ``none``, model 1: LLM-only, the baseline), ``spec_k<k>``
-(algorithm ``speculative``, greedy drafts) for every ``--k`` and ``spec_adaptive`` (adaptive k,
+model per setting: ``token_router_llm`` (algorithm ``none``, model 1: LLM-only, the baseline),
+``token_router_spec_k<k>`` (algorithm ``speculative``, greedy drafts) for every ``--k`` and
+``token_router_spec_adaptive`` (adaptive k,
 from ``max(--k)`` up to ``--k-max``).  For every concurrency N, each setting runs as N
 closed-loop clients (:class:`perf.loadgen.SteadyLoad`: greedy, ``ignore_eos``, ``--max-tokens``
 output tokens, chat prompts from data/router_prompts.jsonl), warms up, and is measured over
@@ -108,11 +109,11 @@ def main(argv=None) -> int:
 
     ks = [int(k) for k in a.k.split(",")]
     ns = [int(n) for n in a.concurrency.split(",")]
-    routers = {"llm": {"algorithm": "none", "algorithm_params": '{"model": 1}'}}
+    routers = {"token_router_llm": {"algorithm": "none", "algorithm_params": '{"model": 1}'}}
     for k in ks:
-        routers[f"spec_k{k}"] = {"algorithm": "speculative", "algorithm_params": json.dumps({"k": k})}
+        routers[f"token_router_spec_k{k}"] = {"algorithm": "speculative", "algorithm_params": json.dumps({"k": k})}
     if not a.no_adaptive:
-        routers["spec_adaptive"] = {"algorithm": "speculative", "algorithm_params": json.dumps(
+        routers["token_router_spec_adaptive"] = {"algorithm": "speculative", "algorithm_params": json.dumps(
             {"k": max(ks), "adaptive": True, "k_max": a.k_max})}
     pool = {"kv_pool_tokens": str(a.kv_pool_tokens), "max_running_requests": str(max(64, 2 * max(ns)))}
     tmp = tempfile.mkdtemp(prefix="bench-speculative-")
@@ -136,7 +137,7 @@ def main(argv=None) -> int:
                     print(f"N={n} rep={rep} {name:14s} {r['throughput_tok_s']:7.2f} tok/s  "
                           f"ITL p50 {r['itl_p50_s'] * 1e3:7.1f} ms  acceptance {r['acceptance_rate']}  "
                           f"verify {r['t_verify_llm_s']}  decode {r['t_decode_llm_s']}", flush=True)
-            base = per["llm"]
+            base = per["token_router_llm"]
             summary = {}
             for name, runs in per.items():
                 tps = [r["throughput_tok_s"] for r in runs]
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
                        **{q: statistics.fmean(r[q] for r in runs) for q in
                           ("itl_p50_s", "itl_p90_s", "itl_p99_s", "ttft_p50_s")},
                        "runs": runs}
-                if name != "llm":
+                if name != "token_router_llm":
                     def mean(key, rs=runs):
                         xs = [r[key] for r in rs if r.get(key) is not None]
                         return statistics.fmean(xs) if xs else None
@@ -161,7 +162,8 @@ def main(argv=None) -> int:
                         row.update(verify_over_decode=t_ver / t_dec,
                                    speedup_bound=tpr * t_dec / (k * t_dr + t_ver))
                 summary[name] = row
-            best = max((nm for nm in summary if nm != "llm"), key=lambda nm: summary[nm]["throughput_tok_s"])
+            best = max((nm for nm in summary if nm != "token_router_llm"),
+                       key=lambda nm: summary[nm]["throughput_tok_s"])
             results[str(n)] = {"settings": summary, "best": best}
             print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
     out = a.out or str(ROOT / "perf" / "results" / f"speculative-{a.pair}.json")
