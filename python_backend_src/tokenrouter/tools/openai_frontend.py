@@ -603,7 +603,7 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
     async def _http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 413:  # FastAPI's body limit: before the body was read whole
             size = request.headers.get("content-length")
-            return OpenAIError(413, (f"request body is {size} bytes; " if size else "request body is larger; ") +
+            return OpenAIError(413, (f"request body is {size} bytes; " if size else f"request body is over {self.max_body_bytes} bytes; ") +
                                f"the limit is {max_body_bytes} bytes (--max-body-bytes)",
                                code="request_too_large").response()
         return OpenAIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
@@ -870,6 +870,43 @@ async def _sse(rid: str, created: int, served: str, first: GenerationOutput, gen
 
 
 # ------------------------------------------------------------------------- CLI
+class TooLargeAsOpenAIError:
+    """ASGI wrapper: a 413 from the body limit (Starlette answers it as plain text, outside the
+    application's exception handlers) is sent in OpenAI's error format instead.
+
+    Args:
+        app: the ASGI application (:func:`create_app`).
+        max_body_bytes: the limit, named in the message.
+    """
+
+    def __init__(self, app, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        replaced = False
+
+        async def send_413_as_openai(message):
+            nonlocal replaced
+            if message["type"] == "http.response.start" and message.get("status") == 413:
+                replaced = True
+                size = dict(scope.get("headers") or []).get(b"content-length", b"").decode() or None
+                err = OpenAIError(413, (f"request body is {size} bytes; " if size else f"request body is over {self.max_body_bytes} bytes; ") +
+                                  f"the limit is {self.max_body_bytes} bytes (--max-body-bytes)",
+                                  code="request_too_large")
+                body = json.dumps(err.body()).encode()
+                await send({"type": "http.response.start", "status": 413,
+                            "headers": [(b"content-type", b"application/json"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+            if not replaced:
+                await send(message)
+
+        await self.app(scope, receive, send_413_as_openai)
+
+
 def _exit_with(pid: int, server) -> None:
     """Ask uvicorn to stop once process ``pid`` has ended (polls once a second)."""
     def watch():
@@ -935,7 +972,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             super().handle_exit(sig, frame)
 
     # uvicorn's own timeout is the backstop: it cancels whatever still runs 2 s after the grace
-    server = _Server(uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+    server = _Server(uvicorn.Config(TooLargeAsOpenAIError(app, a.max_body_bytes), host=a.host, port=a.port,
+                                    log_level=a.log_level,
                                     timeout_graceful_shutdown=a.graceful_shutdown_s + 2.0,
                                     limit_concurrency=a.max_connections))
     if a.exit_with_pid:
