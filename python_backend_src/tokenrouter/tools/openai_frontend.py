@@ -603,7 +603,7 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
     async def _http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 413:  # FastAPI's body limit: before the body was read whole
             size = request.headers.get("content-length")
-            return OpenAIError(413, (f"request body is {size} bytes; " if size else f"request body is over {self.max_body_bytes} bytes; ") +
+            return OpenAIError(413, (f"request body is {size} bytes; " if size else f"request body is over {max_body_bytes} bytes; ") +
                                f"the limit is {max_body_bytes} bytes (--max-body-bytes)",
                                code="request_too_large").response()
         return OpenAIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
