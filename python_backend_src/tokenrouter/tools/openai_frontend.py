@@ -603,8 +603,8 @@ def create_app(triton_url: str, *, model: str = "token_router", served_model_nam
     async def _http_error(request: Request, e: StarletteHTTPException):
         if e.status_code == 413:  # FastAPI's body limit: before the body was read whole
             size = request.headers.get("content-length")
-            return OpenAIError(413, (f"request body is {size} bytes; " if size else f"request body is over {max_body_bytes} bytes; ") +
-                               f"the limit is {max_body_bytes} bytes (--max-body-bytes)",
+            got = f"is {size} bytes" if size else f"is over {max_body_bytes} bytes"
+            return OpenAIError(413, f"request body {got}; the limit is {max_body_bytes} bytes (--max-body-bytes)",
                                code="request_too_large").response()
         return OpenAIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
                            else "server_error").response()
@@ -892,8 +892,9 @@ class TooLargeAsOpenAIError:
             if message["type"] == "http.response.start" and message.get("status") == 413:
                 replaced = True
                 size = dict(scope.get("headers") or []).get(b"content-length", b"").decode() or None
-                err = OpenAIError(413, (f"request body is {size} bytes; " if size else f"request body is over {self.max_body_bytes} bytes; ") +
-                                  f"the limit is {self.max_body_bytes} bytes (--max-body-bytes)",
+                got = f"is {size} bytes" if size else f"is over {self.max_body_bytes} bytes"
+                err = OpenAIError(413, f"request body {got}; the limit is {self.max_body_bytes} bytes "
+                                       f"(--max-body-bytes)",
                                   code="request_too_large")
                 body = json.dumps(err.body()).encode()
                 await send({"type": "http.response.start", "status": 413,
