@@ -136,7 +136,7 @@ def main(argv=None) -> int:
                     per[name].append(r)
                     print(f"N={n} rep={rep} {name:14s} {r['throughput_tok_s']:7.2f} tok/s  "
                           f"ITL p50 {r['itl_p50_s'] * 1e3:7.1f} ms  acceptance {r['acceptance_rate']}  "
-                          f"verify {r['t_verify_llm_s']}  decode {r['t_decode_llm_s']}", flush=True)
+                          f"LLM step {r['t_step_llm_s']}  SLM step {r['t_step_slm_s']}", flush=True)
             base = per["token_router_llm"]
             summary = {}
             for name, runs in per.items():
