@@ -100,3 +100,18 @@ def pytest_terminal_summary(terminalreporter):
     for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{s:8.1f}  {path}")
     terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  total")
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine():
+    """One in-process SGLang engine (SmolLM2-135M, 2,048-token KV pool) for the whole session.
+
+    SGLang's runner initialises its process-wide parallel state once, so a second engine in
+    the same pytest process fails ("init_parallel_runtime() ran twice"): every test file that
+    needs an engine in the test process shares this one and releases what it adds.
+    """
+    from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
+
+    path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
+    return SGLangEngine(EngineConfig(model_path=path, kv_pool_tokens=2048, max_running_requests=8, torch_threads=2))
+

@@ -9,12 +9,8 @@ import torch
 
 
 @pytest.fixture(scope="module")
-def engine():
-    from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
-
-    path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
-    e = SGLangEngine(EngineConfig(model_path=path, kv_pool_tokens=2048, max_running_requests=8, torch_threads=2))
-    yield e
+def engine(smollm2_engine):
+    return smollm2_engine  # tests/conftest.py: one engine per test process
 
 
 def _greedy(engine, rid, prompt_ids, steps):

@@ -114,13 +114,8 @@ def test_parameters_are_checked():
 
 # ------------------------------------------------------------------ the engine
 @pytest.fixture()
-def engine():
-    from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
-
-    path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
-    e = SGLangEngine(EngineConfig(model_path=path, kv_pool_tokens=2048, max_running_requests=8, torch_threads=2))
-    yield e
-    del e  # the server tests below need the memory
+def engine(smollm2_engine):
+    return smollm2_engine  # tests/conftest.py: one engine per test process
 
 
 def test_engine_position_logits_and_truncate(engine):
