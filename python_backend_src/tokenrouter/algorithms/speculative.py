@@ -46,7 +46,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..engine.sampling import SAMPLING_EPS
+from ..engine.sampling import SAMPLING_EPS, filtered_probs
 from ..protocol import PeerReq, Status, StepResult
 from .base import ParamSpec, RoutingAlgorithm, request_key, request_uniform
 
@@ -68,20 +68,9 @@ def target_probs(logits: torch.Tensor, sampling: Dict[str, Any], temperature: Op
         float32 ``[V]`` probabilities (sum 1).
     """
     t = float(sampling.get("temperature", 1.0) if temperature is None else temperature)
-    row = logits.float() / max(t, SAMPLING_EPS)
-    k = int(sampling.get("top_k") or 0)
-    if 0 < k < row.shape[-1]:
-        kth = torch.topk(row, k).values[-1]
-        row = row.masked_fill(row < kth, float("-inf"))
-    probs = torch.softmax(row, -1)
     tp = float(sampling.get("top_p", 1.0))
-    if tp < 1.0:
-        sp, si = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sp, -1)
-        sp = sp.masked_fill(cum - sp > tp, 0.0)
-        probs = torch.zeros_like(probs).scatter_(0, si, sp)
-        probs = probs / probs.sum()
-    return probs
+    probs = filtered_probs(logits.float() / max(t, SAMPLING_EPS), int(sampling.get("top_k") or 0), tp)
+    return probs / probs.sum() if tp < 1.0 else probs
 
 
 def _greedy(sampling: Dict[str, Any]) -> bool:

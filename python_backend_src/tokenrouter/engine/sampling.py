@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["SamplingParams", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
+__all__ = ["SamplingParams", "filtered_probs", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
            "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS",
            "InputLimits", "DEFAULT_LIMITS", "json_depth", "check_json_text"]
 
@@ -438,6 +438,32 @@ def normalized_entropy(logp: torch.Tensor) -> torch.Tensor:
     return -(logp.exp() * logp).sum(-1) / math.log(logp.shape[-1])
 
 
+def filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Probabilities of temperature-scaled logits after top-k, then top-p (vLLM's order).
+
+    Args:
+        scaled: float32 ``[V]`` logits already divided by the temperature.
+        top_k: keep the k largest logits (0 or >= V: all).
+        top_p: keep the smallest set of most probable tokens whose mass reaches ``top_p``
+            (1.0: all).
+
+    Returns:
+        float32 ``[V]`` probabilities; after top-p the kept mass is not renormalised (it sums
+        to at most 1; ``torch.multinomial`` does not need it, a caller that does divides).
+    """
+    row = scaled
+    if 0 < top_k < row.shape[-1]:
+        kth = torch.topk(row, top_k).values[-1]
+        row = row.masked_fill(row < kth, float("-inf"))
+    probs = torch.softmax(row, -1)
+    if top_p < 1.0:
+        sp, si = torch.sort(probs, descending=True)
+        cum = torch.cumsum(sp, -1)
+        sp = sp.masked_fill(cum - sp > top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, si, sp)
+    return probs
+
+
 class BatchSampler:
     """Samples one token per row from a batch of logits, per-request settings.
 
@@ -519,17 +545,5 @@ class BatchSampler:
         t = float(p.get("temperature", 1.0))
         if t < SAMPLING_EPS:  # greedy (vLLM's convention); 1/t would overflow the softmax
             return None if row is logits_row else int(torch.argmax(row))
-        row = row.float() / t
-        k = int(p.get("top_k") or 0)
-        if 0 < k < row.shape[-1]:
-            kth = torch.topk(row, k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        probs = torch.softmax(row, -1)
-        tp = float(p.get("top_p", 1.0))
-        if tp < 1.0:
-            sp, si = torch.sort(probs, descending=True)
-            cum = torch.cumsum(sp, -1)
-            drop = cum - sp > tp
-            sp = sp.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, si, sp)
+        probs = filtered_probs(row.float() / t, int(p.get("top_k") or 0), float(p.get("top_p", 1.0)))
         return int(torch.multinomial(probs, 1, generator=self.generator(rid, p.get("seed")))[0])
