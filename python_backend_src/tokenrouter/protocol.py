@@ -6,6 +6,32 @@ Paper §Design, "Interface (request-centric)": ``send(req)`` packs a PeerReq
 turns it into local work.  On the wire (Triton tensors between the router and
 the model subservers) a PeerReq is JSON in a BYTES tensor plus the tokens as an
 INT64 tensor.
+
+A request's types, from arrival to token (as SGLang's ``schedule_batch.py`` names a
+batch's: ScheduleBatch -> ModelWorkerBatch -> ForwardBatch):
+
+    Triton request -> _Job -> RoutedRequest -> PeerReq -> LocalRequest -> Sequence
+
+* ``_Job`` (:mod:`tokenrouter.triton.router_model`): one client request in the router stub,
+  parsed and checked: its response sender, prompt token ids,
+  :class:`~tokenrouter.engine.sampling.SamplingParams`, algorithm parameters, output switches.
+* :class:`~tokenrouter.routing.router_core.RoutedRequest`: the router's whole view while
+  :func:`~tokenrouter.routing.router_core.drive` runs the request through the models: prompt +
+  output token ids, which model wrote each token, handoffs; the final response's summary.
+* :class:`PeerReq` (this module): one *segment*, a visit of the request to one model: the token
+  suffix that model has not seen, the budget, sampling and algorithm state; sent again, by the
+  model, as the handoff to its peer.
+* :class:`~tokenrouter.engine.subserver.LocalRequest`: the request as one model holds it, running
+  or *pending* (its KV kept while a peer writes): latest PeerReq header, routing-algorithm
+  instance, position anchor ``loc``, the segment's sink, KV reservation.
+* :class:`~tokenrouter.engine.sglang_engine.Sequence`: the token ids that model knows and how
+  many of them have KV in its pool (SGLang's ``Req`` holds the row).  Each forward step gives a
+  :class:`StepResult` per sequence, whose token the algorithm keeps or hands off.
+
+Tokens travel back the other way: the subserver's sink (``"tokens"`` chunks and a final kind)
+-> the model stub's I/O queue (:mod:`tokenrouter.triton.messages`) -> the router's segment queue
+-> ``drive`` (detokenised) -> the router's client I/O queue -> the client.  The stages, step by
+step: ``docs/architecture.md``, "The life of a request".
 """
 
 from __future__ import annotations

@@ -8,6 +8,11 @@ processes, so lock-step is emulated with a *turn ring* in shared memory: the
 models take turns in a fixed order; on its turn a model runs one step if it has
 ready requests (else passes at once) and then hands the turn to the next.
 Only the model holding the turn writes the counter, so no lock is needed.
+
+:class:`LockStep` is the decode loop's strategy for this baseline
+(:class:`tokenrouter.engine.subserver.DecodeStrategy`; the product's is
+:class:`~tokenrouter.engine.subserver.Autonomous`).  A subserver runs it while its
+``SubserverConfig.lockstep`` holds a :class:`TurnRing`.
 """
 
 from __future__ import annotations
@@ -17,10 +22,14 @@ import os
 import struct
 import tempfile
 import time
+from typing import Any, Callable, Optional
 
 from ..proc import server_pid
 
-__all__ = ["TurnRing", "default_ring_path"]
+__all__ = ["TurnRing", "LockStep", "default_ring_path"]
+
+#: seconds the decode loop of a lock-step member blocks on its inbox before it polls the ring again
+RING_POLL_S = 0.0005
 
 
 def default_ring_path(group: str) -> str:
@@ -74,3 +83,28 @@ class TurnRing:
                 return False
             time.sleep(poll_s)
         return True
+
+
+class LockStep:
+    """Decode strategy of the lock-step baseline: step only on this model's turn of ``ring``.
+
+    On its turn the model runs one step if it has ready requests, then passes the turn (also
+    when it had nothing to run), so a global step is one step of each model in ring order.  No
+    delayed batching: every ready request joins the step.  The loop polls the ring every
+    :data:`RING_POLL_S` seconds.
+
+    Args:
+        ring: this model's :class:`TurnRing`.
+    """
+
+    def __init__(self, ring: TurnRing):
+        self.ring = ring
+
+    def wait_timeout(self, sub: Any) -> Optional[float]:
+        return RING_POLL_S
+
+    def run(self, sub: Any, step: Callable[[], None]) -> None:
+        if self.ring.mine():
+            if sub.ready:
+                step()
+            self.ring.pass_turn()

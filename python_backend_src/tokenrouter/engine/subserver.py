@@ -16,7 +16,13 @@ The subserver talks to the outside world through *sinks*: a callable per
 segment (one visit of a request to this model) receiving
 ``sink(kind, tokens, info)`` where ``kind`` is ``"tokens"`` (non-final chunk of
 committed tokens) or one of the final kinds ``"handoff"``, ``"finished"``,
-``"cancelled"``, ``"error"``.
+``"cancelled"``, ``"error"``.  Other threads reach the loop through its *inbox*, one small
+message per kind (:class:`Submit`, :class:`SubmitGroup`, :class:`Release`, :class:`LoopCall`,
+:class:`Stop`).
+
+When the loop runs a step is its :class:`DecodeStrategy`, chosen from the settings:
+:class:`Autonomous` (each model at its own pace, with delayed batching: the product) or
+:class:`~tokenrouter.engine.lockstep.LockStep` (the lock-step baseline: the models take turns).
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
 from ..protocol import FinishReason, PeerReq
+from .lockstep import LockStep
 from .output_processor import OutputProcessorMixin
 from .sampling import BatchSampler, validate_sampling
 from .sglang_engine import Sequence
@@ -42,7 +49,8 @@ logger = logging.getLogger(__name__)
 Sink = Callable[[str, List[int], Dict[str, Any]], None]
 FINAL_KINDS = ("handoff", "finished", "cancelled", "error")
 
-__all__ = ["Subserver", "LocalRequest", "SubserverConfig", "FINAL_KINDS", "BUSY_PREFIX"]
+__all__ = ["Subserver", "LocalRequest", "SubserverConfig", "FINAL_KINDS", "BUSY_PREFIX", "DecodeStrategy",
+           "Autonomous", "Submit", "SubmitGroup", "Release", "LoopCall", "Stop"]
 
 #: start of the message of a request refused or ended because the model is busy (its KV queue
 #: is full, or the request waited past its queue timeout); the router answers it with Triton's
@@ -64,7 +72,8 @@ class SubserverConfig:
             re-admitted as new: its KV is freed and its whole context
             re-prefilled (no pending state).
         lockstep: lock-step baseline — a :class:`~tokenrouter.engine.lockstep.TurnRing`
-            this model steps in turn with its peers, or None (own pace).
+            this model steps in turn with its peers (the loop's strategy is then
+            :class:`~tokenrouter.engine.lockstep.LockStep`), or None (own pace: :class:`Autonomous`).
         prefill_chunk_tokens: chunked prefill: the most new tokens of prefills and extends
             in one step (SGLang's ``chunked_prefill_size``; decode rows are not counted), so that
             a long prompt, or a long re-prefill, does not stop every other request for the whole
@@ -146,6 +155,89 @@ class LocalRequest:
     spec_round: Optional[Dict[str, int]] = None
 
 
+# ------------------------------------------------------------------ the inbox
+@dataclass(frozen=True)
+class Submit:
+    """Inbox: run ``peer_req`` here (a new request, or the resume of a pending one); answers go to ``sink``."""
+
+    peer_req: PeerReq
+    sink: Sink
+
+
+@dataclass(frozen=True)
+class SubmitGroup:
+    """Inbox: several :class:`Submit` received before the loop's next step decision (one step for them all).
+
+    Attributes:
+        items: ``(peer_req, sink)`` pairs, in arrival order.
+    """
+
+    items: List[Tuple[PeerReq, Sink]]
+
+
+@dataclass(frozen=True)
+class Release:
+    """Inbox: end request ``rid`` here (its running segment closes as ``cancelled``) and free its KV."""
+
+    rid: str
+
+
+@dataclass(frozen=True)
+class LoopCall:
+    """Inbox: run ``fn()`` on the loop thread, between two steps (statistics, settings, calibration).
+
+    ``fn`` reports its own result and errors (:meth:`Subserver.call` wraps it so).
+    """
+
+    fn: Callable[[], None]
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Inbox: wake the loop so that it sees its stop flag (:meth:`Subserver.stop`)."""
+
+
+# ------------------------------------------------------------ decode strategies
+class DecodeStrategy(Protocol):
+    """When the decode loop runs a step.  The loop reads its inbox, then calls :meth:`run` once a pass.
+
+    Implementations: :class:`Autonomous` (the product) and
+    :class:`~tokenrouter.engine.lockstep.LockStep` (the lock-step baseline).
+    """
+
+    def wait_timeout(self, sub: "Subserver") -> Optional[float]:
+        """Seconds the loop may block on its inbox before the next pass (None: until a message comes)."""
+
+    def run(self, sub: "Subserver", step: Callable[[], None]) -> None:
+        """Call ``step()`` (one forward step of up to ``max_batch`` ready requests) if one is due now."""
+
+
+class Autonomous:
+    """Each model steps at its own pace, with delayed batching (paper §Design).
+
+    A step is due when at least ``delayed_batch_size`` (B_i) requests are ready, or when every
+    request the model holds is ready (none is pending at a peer, so only a brand-new request
+    could still join), or when the oldest ready request has waited ``max_wait_s``.  Stateless.
+    """
+
+    def wait_timeout(self, sub: "Subserver") -> Optional[float]:
+        if not sub.ready:
+            return 0.5 if sub._wait_deadline else None  # a waiting request's deadline is checked
+        if self.enough_ready(sub):
+            return 0.0
+        oldest = next(iter(sub.ready.values())).ready_since
+        return max(0.0, sub.config.max_wait_s - (time.perf_counter() - oldest))
+
+    @staticmethod
+    def enough_ready(sub: "Subserver") -> bool:
+        """B_i requests are ready, or every request the model holds is."""
+        return len(sub.ready) >= min(sub.config.delayed_batch_size, len(sub.requests))
+
+    def run(self, sub: "Subserver", step: Callable[[], None]) -> None:
+        if sub.ready and self.wait_timeout(sub) == 0.0:
+            step()
+
+
 class Subserver(OutputProcessorMixin):
     """Decode loop of one model: admission, delayed batching, the step (its results: :class:`OutputProcessorMixin`).
 
@@ -182,7 +274,8 @@ class Subserver(OutputProcessorMixin):
         self.waiting: Deque[tuple] = collections.deque()  # (peer_req, sink) awaiting KV
         self._wait_deadline: Dict[str, float] = {}  # rid in waiting -> its queue deadline (monotonic)
         self.reserved = 0
-        self.inbox: "queue.Queue[tuple]" = queue.Queue()
+        self.inbox: "queue.Queue" = queue.Queue()  # Submit, SubmitGroup, Release, LoopCall, Stop
+        self.strategy: DecodeStrategy = self._choose_strategy()
         self.counters = collections.Counter()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{self.name}", daemon=True)
@@ -191,17 +284,17 @@ class Subserver(OutputProcessorMixin):
     # ------------------------------------------------------------ public API
     def submit(self, peer_req: PeerReq, sink: Sink) -> None:
         """Queue a PeerReq (new request or a resume) for this model.  Thread-safe."""
-        self.inbox.put(("run", peer_req, sink))
+        self.inbox.put(Submit(peer_req, sink))
 
     def submit_group(self, items: List[tuple]) -> None:
         """Queue several ``(peer_req, sink)`` at once: the loop receives them all before its
         next step decision, so the ready ones enter the same step (Triton's dynamic batcher
         grouped them: router ``transport: triton``).  Thread-safe."""
-        self.inbox.put(("group", list(items), None))
+        self.inbox.put(SubmitGroup(list(items)))
 
     def release(self, rid: str) -> None:
         """End ``rid`` here: close its running segment (``cancelled``) and free its KV.  Thread-safe."""
-        self.inbox.put(("release", rid, None))
+        self.inbox.put(Release(rid))
 
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
         """Run ``fn`` on the loop thread and return its result (for statistics)."""
@@ -215,7 +308,7 @@ class Subserver(OutputProcessorMixin):
                 box["e"] = e
             done.set()
 
-        self.inbox.put(("call", job, None))
+        self.inbox.put(LoopCall(job))
         if not done.wait(timeout):
             raise TimeoutError("decode loop did not answer")
         if "e" in box:
@@ -318,7 +411,8 @@ class Subserver(OutputProcessorMixin):
 
         Keys: the fields of :class:`SubserverConfig` (``delayed_batch_size``, ``max_wait_s``,
         ``stream_interval``, ``readmit_on_resume``, ``lockstep``, ``prefill_chunk_tokens``, ...).
-        Used for online adaptation of B* and to switch baselines without restarting the server.
+        Used for online adaptation of B* and to switch baselines without restarting the server
+        (a change of ``lockstep`` switches the loop's :class:`DecodeStrategy`).
 
         Raises:
             ValueError: unknown key or a value out of range (checked as SubserverConfig checks it).
@@ -327,18 +421,27 @@ class Subserver(OutputProcessorMixin):
         if unknown:
             raise ValueError(f"unknown scheduling settings: {sorted(unknown)}")
         dataclasses.replace(self.config, **changes)  # validates the changed settings
-        self.call(lambda: [setattr(self.config, k, v) for k, v in changes.items()])
+        def job():
+            for k, v in changes.items():
+                setattr(self.config, k, v)
+            self.strategy = self._choose_strategy()
+        self.call(job)
 
     def stop(self) -> None:
         """Stop the loop; close every open segment with ``cancelled``."""
         self._stop.set()
-        self.inbox.put(("stop", None, None))
+        self.inbox.put(Stop())
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------- the loop
+    def _choose_strategy(self) -> DecodeStrategy:
+        """The loop's strategy for the current settings: lock-step when a turn ring is set."""
+        ring = self.config.lockstep
+        return Autonomous() if ring is None else LockStep(ring)
+
     def _loop(self) -> None:
         while not self._stop.is_set():
-            timeout = self._wait_timeout()
+            timeout = self.strategy.wait_timeout(self)
             try:
                 item = self.inbox.get(timeout=timeout)
             except queue.Empty:
@@ -353,14 +456,7 @@ class Subserver(OutputProcessorMixin):
                             break
                 if self._wait_deadline:
                     self._expire_waiting()
-                ring = self.config.lockstep
-                if ring is not None:
-                    if ring.mine():
-                        if self.ready:
-                            self._step()
-                        ring.pass_turn()
-                elif self._should_step():
-                    self._step()
+                self.strategy.run(self, self._step)
                 if not self.ready and self.on_idle is not None:
                     self.on_idle()
             except Exception:  # noqa: BLE001 - the loop must survive anything
@@ -369,46 +465,33 @@ class Subserver(OutputProcessorMixin):
         for rid in list(self.requests):
             self._release(rid, "cancelled", "server shutting down")
 
-    def _wait_timeout(self) -> Optional[float]:
-        if self.config.lockstep is not None:
-            return 0.0005  # poll the turn ring
-        if not self.ready:
-            return 0.5 if self._wait_deadline else None  # a waiting request's deadline is checked
-        if self._enough_ready():
-            return 0.0
-        oldest = next(iter(self.ready.values())).ready_since
-        return max(0.0, self.config.max_wait_s - (time.perf_counter() - oldest))
+    def _handle(self, msg) -> None:
+        match msg:
+            case Submit(peer_req=peer_req, sink=sink):
+                self._receive_guarded(peer_req, sink)
+            case SubmitGroup(items=items):
+                for peer_req, sink in items:
+                    self._receive_guarded(peer_req, sink)
+            case Release(rid=rid):
+                self._release(rid, "cancelled", "released by the router")
+                self._admit_waiting()
+            case LoopCall(fn=fn):
+                fn()
+            case Stop():
+                pass  # the loop checks its stop flag
 
-    def _enough_ready(self) -> bool:
-        # B_i ready, or every request this model holds is ready: none is pending at a
-        # peer, so only a brand-new request could still join (the max_wait_s bound covers that)
-        return len(self.ready) >= min(self.config.delayed_batch_size, len(self.requests))
-
-    def _should_step(self) -> bool:
-        # (own pace) something is ready and the delayed-batching wait is over
-        return bool(self.ready) and self._wait_timeout() == 0.0
-
-    def _handle(self, item) -> None:
-        op, a, b = item
-        if op == "run":
-            try:
-                self._receive(a, b)
-            except Exception as e:  # noqa: BLE001 - bad work fails that request only
-                logger.exception("receive on %s failed", self.name)
-                self.counters["errors"] += 1
-                lr = self.requests.get(a.rid)
-                if lr is not None and lr.sink is b:
-                    self._release(a.rid, "error", str(e))  # answers b through the segment's sink
-                else:
-                    b("error", [], {"message": f"model {self.name}: {e}"})
-        elif op == "group":
-            for peer_req, sink in a:
-                self._handle(("run", peer_req, sink))
-        elif op == "release":
-            self._release(a, "cancelled", "released by the router")
-            self._admit_waiting()
-        elif op == "call":
-            a()
+    def _receive_guarded(self, peer_req: PeerReq, sink: Sink) -> None:
+        """:meth:`_receive`; an unexpected error fails that request only."""
+        try:
+            self._receive(peer_req, sink)
+        except Exception as e:  # noqa: BLE001 - bad work fails that request only
+            logger.exception("receive on %s failed", self.name)
+            self.counters["errors"] += 1
+            lr = self.requests.get(peer_req.rid)
+            if lr is not None and lr.sink is sink:
+                self._release(peer_req.rid, "error", str(e))  # answers sink through the segment's sink
+            else:
+                sink("error", [], {"message": f"model {self.name}: {e}"})
 
     # ------------------------------------------------------------- receive
     def _reservation(self, peer_req: PeerReq, known_tokens: int) -> int:
