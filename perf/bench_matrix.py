@@ -597,7 +597,8 @@ class NoTriton:
 
         from tokenrouter.tools.direct import DirectCluster, DirectRouter
         from tokenrouter.tools.repository import read_config
-        from tokenrouter.triton.common import llm_settings, resolve_model_path
+        from tokenrouter.triton.common import resolve_model_path
+        from tokenrouter.triton.settings import LLMSettings
 
         def params(model):
             return {k: v.string_value for k, v in
@@ -625,7 +626,8 @@ class NoTriton:
                 return out
 
         print(f"== pair {pair}: no-triton baseline (worker processes, no Triton)", flush=True)
-        self.cluster = DirectCluster({m: llm_settings(params(m)) for m in MODELS})
+        settings = {m: LLMSettings.from_parameters(params(m)) for m in MODELS}
+        self.cluster = DirectCluster({m: (s.engine_kwargs(), s.subserver_kwargs()) for m, s in settings.items()})
         try:
             rp = params("token_router")
             router = TracingRouter(self.cluster, MODELS,

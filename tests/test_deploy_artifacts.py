@@ -235,7 +235,7 @@ def test_parse_remote_rejects_bad_specs(spec):
 
 def test_gpu_parameters_reach_sglang_server_args(tmp_path):
     """The names the gpu target writes are the ones the engine reads, and SGLang accepts the result."""
-    from tokenrouter.triton.common import llm_settings
+    from tokenrouter.triton.settings import LLMSettings
 
     out = str(tmp_path / "repo")
     ckpt = tmp_path / "ckpt"
@@ -243,7 +243,8 @@ def test_gpu_parameters_reach_sglang_server_args(tmp_path):
     (ckpt / "config.json").write_text("{}")
     deployment.render(SRC_REPO, out, target="gpu", models=["llm"], model_paths={"llm": str(ckpt)},
                       params={"llm": {"mem_fraction_static": "0.45", "attention_backend": "fa3"}})
-    engine_kwargs, _ = llm_settings(_params(read_config(os.path.join(out, "llm", "config.pbtxt"))))
+    settings = LLMSettings.from_parameters(_params(read_config(os.path.join(out, "llm", "config.pbtxt"))))
+    engine_kwargs = settings.engine_kwargs()
     from tokenrouter.engine.sglang_engine import EngineConfig, server_args_kwargs
 
     cfg = EngineConfig(**engine_kwargs, gpu_id=2)

@@ -15,7 +15,7 @@ import time
 import pytest
 import zmq
 
-from tokenrouter.routing.curve import CurveClient, CurveServer, make_keys
+from tokenrouter.routing.curve import CurveClient, CurveServer, CurveSettings, curve_enabled, make_keys
 from tokenrouter.routing.peer import PeerClient, PeerDownError, PeerServer, parse_remote_models
 from tokenrouter.protocol import PeerReq
 
@@ -220,17 +220,18 @@ def test_parse_remote_models():
 
 def test_curve_settings_are_required_on_tcp(keys):
     with pytest.raises(ValueError, match="curve_secret_key_file"):
-        CurveServer.from_params({}, "tcp://0.0.0.0:5555", "llm")
-    assert CurveServer.from_params({"curve": "off"}, "tcp://0.0.0.0:5555", "llm") is None
-    assert CurveServer.from_params({}, "ipc:///tmp/x", "llm") is None
+        CurveServer.from_settings(CurveSettings(), "tcp://0.0.0.0:5555", "llm")
+    assert CurveServer.from_settings(CurveSettings(enabled=False), "tcp://0.0.0.0:5555", "llm") is None
+    assert CurveServer.from_settings(CurveSettings(), "ipc:///tmp/x", "llm") is None
     with pytest.raises(ValueError, match="curve_server_public_keys"):
-        CurveClient.from_params({"curve_secret_key_file": keys["router_secret"]}, {"llm": ["tcp://h:1"]})
+        CurveClient.from_settings(CurveSettings(secret_key_file=keys["router_secret"]), {"llm": ["tcp://h:1"]})
     with pytest.raises(ValueError, match="no key for model"):
-        CurveClient.from_params({"curve_secret_key_file": keys["router_secret"],
-                                 "curve_server_public_keys": json.dumps({"slm": keys["server_public"]})},
-                                {"llm": ["tcp://h:1"]})
+        CurveClient.from_settings(CurveSettings(secret_key_file=keys["router_secret"],
+                                                server_public_keys=json.dumps({"slm": keys["server_public"]})),
+                                  {"llm": ["tcp://h:1"]})
+    assert curve_enabled("") and curve_enabled("On") and not curve_enabled("off")
     with pytest.raises(ValueError, match="on or off"):
-        CurveClient.from_params({"curve": "maybe"}, {"llm": ["tcp://h:1"]})
+        curve_enabled("maybe")
 
 
 def test_drive_visits_no_model_for_a_request_already_cancelled():

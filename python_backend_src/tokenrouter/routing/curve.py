@@ -30,7 +30,8 @@ Config parameters
   (else ``server.key``), or a JSON object ``{"llm": "path/llm.key"}``.
 
 ``curve: off`` turns authentication off on trusted networks (a warning is logged
-when a TCP endpoint is used so).
+when a TCP endpoint is used so).  The Triton models read these parameters into
+:class:`CurveSettings` (:mod:`tokenrouter.triton.settings`).
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ import logging
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Dict, Mapping, Optional, Tuple
 
 import zmq
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["curve_enabled", "is_tcp", "make_keys", "CurveServer", "CurveClient", "HandshakeLog"]
+__all__ = ["curve_enabled", "is_tcp", "make_keys", "CurveSettings", "CurveServer", "CurveClient", "HandshakeLog"]
 
 #: handshake failures a socket monitor reports (wrong or unknown key, no CURVE, garbage)
 HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -65,6 +67,25 @@ def curve_enabled(value: object) -> bool:
     if v in ("off", "false", "no", "0"):
         return False
     raise ValueError(f"config parameter 'curve' must be on or off, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CurveSettings:
+    """CURVE settings of one side of the channel (the config parameters of the module docstring).
+
+    Attributes:
+        enabled: ``curve`` (:func:`curve_enabled`): CURVE on TCP endpoints. Default on.
+        secret_key_file: ``curve_secret_key_file``, this side's ``.key_secret`` certificate file.
+        authorized_keys_dir: ``curve_authorized_keys_dir`` (models): folder of the public keys
+            the model accepts.
+        server_public_keys: ``curve_server_public_keys`` (routers): the remote models' public keys
+            (see :class:`CurveClient`).
+    """
+
+    enabled: bool = True
+    secret_key_file: str = ""
+    authorized_keys_dir: str = ""
+    server_public_keys: str = ""
 
 
 def is_tcp(endpoint: str) -> bool:
@@ -164,19 +185,19 @@ class CurveServer:
         self._auth = None
 
     @classmethod
-    def from_params(cls, params: Mapping[str, str], endpoint: str, model: str) -> Optional["CurveServer"]:
-        """The settings for a model binding ``endpoint``; None for ``ipc://``/``inproc://`` or ``curve: off``.
+    def from_settings(cls, settings: CurveSettings, endpoint: str, model: str) -> Optional["CurveServer"]:
+        """The server for a model binding ``endpoint``; None for ``ipc://``/``inproc://`` or ``curve: off``.
 
         Raises:
             ValueError: a TCP endpoint with CURVE on but key files missing or bad.
         """
         if not is_tcp(endpoint):
             return None
-        if not curve_enabled(params.get("curve", "")):
+        if not settings.enabled:
             logger.warning("model %s: peer_endpoint %s is UNAUTHENTICATED and unencrypted (curve: off); "
                            "use it on trusted networks only", model, endpoint)
             return None
-        key, auth = params.get("curve_secret_key_file", ""), params.get("curve_authorized_keys_dir", "")
+        key, auth = settings.secret_key_file, settings.authorized_keys_dir
         if not key or not auth:
             raise ValueError(f"model {model}: peer_endpoint {endpoint} is TCP, so CURVE authentication is on: "
                              "set curve_secret_key_file and curve_authorized_keys_dir (make keys with "
@@ -236,8 +257,8 @@ class CurveClient:
         self._cache: Dict[str, bytes] = {}
 
     @classmethod
-    def from_params(cls, params: Mapping[str, str], endpoints: Mapping[str, list]) -> Optional["CurveClient"]:
-        """The settings for a router reaching ``endpoints`` (``{model: [endpoint, …]}``); None when
+    def from_settings(cls, settings: CurveSettings, endpoints: Mapping[str, list]) -> Optional["CurveClient"]:
+        """The client for a router reaching ``endpoints`` (``{model: [endpoint, …]}``); None when
         no endpoint is TCP or ``curve: off``.
 
         Raises:
@@ -246,11 +267,11 @@ class CurveClient:
         tcp = sorted(m for m, eps in endpoints.items() if any(is_tcp(e) for e in eps))
         if not tcp:
             return None
-        if not curve_enabled(params.get("curve", "")):
+        if not settings.enabled:
             logger.warning("router: remote models %s are reached UNAUTHENTICATED and unencrypted (curve: off)",
                            ", ".join(tcp))
             return None
-        key, servers = params.get("curve_secret_key_file", ""), params.get("curve_server_public_keys", "")
+        key, servers = settings.secret_key_file, settings.server_public_keys
         if not key or not servers:
             raise ValueError(f"remote models {', '.join(tcp)} are reached over TCP, so CURVE authentication is "
                              "on: set curve_secret_key_file and curve_server_public_keys (make keys with "

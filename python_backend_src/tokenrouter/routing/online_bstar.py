@@ -40,8 +40,9 @@ Rules:
   ~5 s where the exact chain is too large and the search races simulations, e.g. N ≥ 16 on
   CPU step times) defers the next one by 3 d.
 
-Config parameters of the router (``parameters`` in its config.pbtxt; read, with the metric families,
-by the Triton glue :mod:`tokenrouter.triton.online`): ``online_adaptation``
+Config parameters of the router (``parameters`` in its config.pbtxt; read into :class:`OnlineSettings`
+by :mod:`tokenrouter.triton.settings`; the metric families are the Triton glue
+:mod:`tokenrouter.triton.online`): ``online_adaptation``
 (``true``/``false``, default false), ``online_interval_s`` (default 2), ``online_window_s``
 (default 30), ``online_fixed_thresholds`` (JSON, e.g. ``{"slm": 1}``: B_i held fixed),
 ``online_prior_profile`` (path of a PROFILE.json), ``online_quantum_s`` (default: automatic),
@@ -73,10 +74,10 @@ MAX_PULLS_PER_ROUND = 8
 SOLVE_CPU_SHARE = 0.25
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class OnlineSettings:
     """The router's ``online_*`` config parameters (module docstring), read and checked by
-    :func:`tokenrouter.triton.online.online_settings`.
+    :func:`tokenrouter.triton.settings.online_settings`; the defaults below are the parameters'.
 
     Attributes:
         enabled: ``online_adaptation``.

@@ -203,11 +203,11 @@ def check_tokenizers(repo: str) -> None:
     """
     from ..engine.tokenizer_check import tokenizer_difference
     from ..triton.common import resolve_model_path
+    from ..triton.settings import DEFAULT_CHECKPOINT as default_path  # tokenizer_path's and model_path's default
 
     def param(cfg, key: str, default: str) -> str:
         return cfg.parameters[key].string_value if key in cfg.parameters else default
 
-    default_path = "smollm2-135m-instruct"  # the parameters' default (triton/common)
     seen: Dict[tuple, Optional[str]] = {}
     for name in sorted(os.listdir(repo)):
         if not os.path.isfile(os.path.join(repo, name, "config.pbtxt")) or not _is_router(repo, name):

@@ -1,4 +1,7 @@
-"""Helpers shared by the Triton Python models (no ``triton_python_backend_utils`` import here)."""
+"""Helpers shared by the Triton Python models (no ``triton_python_backend_utils`` import here).
+
+The models' config parameters are read by :mod:`tokenrouter.triton.settings`.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import locale
 import os
 from typing import Any, Dict, Optional
 
-__all__ = ["prepare_stub_process", "model_parameters", "resolve_model_path", "param", "llm_settings"]
+__all__ = ["prepare_stub_process", "model_parameters", "resolve_model_path", "weights_dir"]
 
 
 def prepare_stub_process() -> None:
@@ -31,23 +34,6 @@ def model_parameters(model_config: Dict[str, Any]) -> Dict[str, str]:
     for k, v in (model_config.get("parameters") or {}).items():
         out[k] = v.get("string_value", "") if isinstance(v, dict) else str(v)
     return out
-
-
-def param(params: Dict[str, str], key: str, default: Any, kind=str) -> Any:
-    """Typed config parameter with a default; raises ValueError naming the key."""
-    raw = params.get(key, "")
-    if raw is None or str(raw).strip() == "" or str(raw).startswith("${"):
-        return default
-    try:
-        if kind is bool:
-            if str(raw).lower() in ("1", "true", "yes", "on"):
-                return True
-            if str(raw).lower() in ("0", "false", "no", "off"):
-                return False
-            raise ValueError(raw)
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"config parameter {key!r}: cannot read {raw!r} as {kind.__name__}") from None
 
 
 def weights_dir() -> str:
@@ -79,47 +65,3 @@ def json_or_empty(text: Optional[str]) -> Dict[str, Any]:
     if not isinstance(v, dict):
         raise ValueError("expected a JSON object")
     return v
-
-
-#: default of the LLM models' ``prefix_cache`` parameter (docs/performance.md, "Prefix caching")
-PREFIX_CACHE_DEFAULT = True
-
-
-def llm_settings(params: Dict[str, str]):
-    """EngineConfig and SubserverConfig keyword arguments from an LLM model's config parameters.
-
-    Returns:
-        ``(engine_kwargs, subserver_kwargs)`` — plain dicts (picklable), model_path resolved.
-        ``lockstep_group``, ``event_log`` and ``gpu_id`` (the Triton instance's device) are
-        left to the caller.
-    """
-    ctx = param(params, "context_length", 0, int)
-    engine = dict(
-        model_path=resolve_model_path(param(params, "model_path", "smollm2-135m-instruct")),
-        dtype=param(params, "dtype", "float32"),
-        kv_pool_tokens=param(params, "kv_pool_tokens", 16384, int),
-        max_running_requests=param(params, "max_running_requests", 32, int),
-        context_length=ctx or None,
-        torch_threads=param(params, "torch_threads", 0, int),
-        load_format=param(params, "load_format", "auto"),
-        random_seed=param(params, "random_seed", 0, int),
-        capture_hidden=param(params, "capture_hidden", False, bool),
-        cpu_linear_weights=param(params, "cpu_linear_weights", "dual"),
-        # GPU hosts (see EngineConfig): where the engine runs and how SGLang drives the GPU
-        device=param(params, "device", "auto"),
-        attention_backend=param(params, "attention_backend", "") or None,
-        cuda_graph=param(params, "cuda_graph", True, bool),
-        cuda_graph_max_bs=param(params, "cuda_graph_max_bs", 0, int),
-        mem_fraction_static=param(params, "mem_fraction_static", 0.0, float),
-        prefix_cache=param(params, "prefix_cache", PREFIX_CACHE_DEFAULT, bool),
-    )
-    sched = dict(
-        delayed_batch_size=max(1, param(params, "delayed_batch_size", 1, int)),
-        max_wait_s=param(params, "delayed_batch_max_wait_us", 5000, int) / 1e6,
-        stream_interval=max(1, param(params, "stream_interval", 1, int)),
-        readmit_on_resume=param(params, "readmit_on_resume", False, bool),
-        prefill_chunk_tokens=param(params, "prefill_chunk_tokens", 512, int),
-        queue_timeout_s=param(params, "queue_timeout_s", 60.0, float),
-        max_queued_requests=param(params, "max_queued_requests", 256, int),
-    )
-    return engine, sched  # ranges: SubserverConfig checks them (ValueError naming the parameter)

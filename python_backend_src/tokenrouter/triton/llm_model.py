@@ -32,7 +32,9 @@ Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
     ``output_ids`` INT64 [-1]  tokens committed by this model in this chunk
     ``event`` BYTES [1]        JSON ``{"kind": "tokens"|"handoff"|"finished"|"cancelled", …}``
 
-Config parameters (config.pbtxt ``parameters``): ``model_path``, ``dtype``,
+Config parameters (config.pbtxt ``parameters``; read once, at load, into
+:class:`~tokenrouter.triton.settings.LLMSettings`, whose docstring gives each one's unit and
+default): ``model_path``, ``dtype``,
 ``kv_pool_tokens``, ``max_running_requests``, ``context_length``,
 ``torch_threads``, ``load_format``, ``random_seed``, ``delayed_batch_size``,
 ``delayed_batch_max_wait_us``, ``stream_interval``, ``readmit_on_resume`` (std-serving baseline),
@@ -87,7 +89,8 @@ from ..proc import process_start_time, server_pid
 from ..routing.peer import PeerServer, dead_routers, remove_advert, write_advert
 from ..protocol import PeerReq
 from . import model_control
-from .common import llm_settings, model_parameters, param
+from .common import model_parameters
+from .settings import LLMSettings
 
 logger = logging.getLogger(__name__)
 
@@ -133,53 +136,110 @@ class TritonPythonModel:
     """One model's subserver inside Triton (see module docstring)."""
 
     def initialize(self, args: Dict[str, Any]) -> None:
-        """Triton's model load: build the engine (weights, KV pool) and the subserver, start its
-        loops and advertise its channel endpoint. Raises ``TritonModelException`` on a bad config."""
+        """Triton's model load, one ``init_*`` step after the other: read the config parameters, build
+        the engine (weights, KV pool) and the subserver, open the inter-model channel, advertise its
+        endpoint and start the Triton I/O thread.
+
+        Raises:
+            pb_utils.TritonModelException: a bad config (the load fails; the message names the parameter).
+        """
+        self.init_settings(args)
+        self.init_scheduling()
+        self.init_engine(args)
+        self.init_events()
+        self.init_metrics()
+        self.init_subserver()
+        self.init_channel()
+        self._start_liveness()
+        self.init_io_thread()
+
+    def init_settings(self, args: Dict[str, Any]) -> None:
+        """Read the model config once: ``self.settings`` (:class:`~tokenrouter.triton.settings.LLMSettings`).
+
+        Raises:
+            pb_utils.TritonModelException: the model is not decoupled, a parameter is malformed or
+                out of range (naming it), or ``model_path`` is no checkpoint folder.
+        """
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException(
                 "tokenrouter LLM models must be decoupled (model_transaction_policy { decoupled: true })")
         self.name = args["model_name"]
-        p = model_parameters(self.model_config)
-        engine_kwargs, sched_kwargs = llm_settings(p)
+        try:
+            self.settings = LLMSettings.from_parameters(model_parameters(self.model_config))
+        except (ValueError, OSError) as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+        # seconds an unload waits for the requests this model holds (Triton's default exit_timeout)
+        self.drain_timeout_s = self.settings.drain_timeout_s
+
+    def init_scheduling(self) -> None:
+        """The decode loop's settings (:class:`SubserverConfig`) and, with ``lockstep_group``, the
+        lock-step turn ring; before the engine loads, so that a bad group fails the load at once.
+
+        Raises:
+            pb_utils.TritonModelException: ``lockstep_group`` does not list this model.
+        """
+        self._ring_paths: set = set()  # lock-step turn files this model opened (removed at finalize)
+        self._sched = SubserverConfig(**self.settings.subserver_kwargs())
+        if self.settings.lockstep_group:
+            try:
+                self._sched.lockstep = self._ring(self.settings.lockstep_group)
+            except ValueError as e:
+                raise pb_utils.TritonModelException(str(e)) from None
+
+    def init_engine(self, args: Dict[str, Any]) -> None:
+        """Load the engine (weights, KV pool) on the device Triton gives this instance."""
+        engine_kwargs = self.settings.engine_kwargs()
         if args.get("model_instance_kind") == "GPU":  # instance_group { kind: KIND_GPU gpus: [i] }
             engine_kwargs["gpu_id"] = int(args.get("model_instance_device_id") or 0)
         self.engine_config = EngineConfig(**engine_kwargs)
-        sched = SubserverConfig(**sched_kwargs)
-        self._ring_paths: set = set()  # lock-step turn files this model opened (removed at finalize)
-        # seconds an unload waits for the requests this model holds (Triton's default exit_timeout)
-        self.drain_timeout_s = param(p, "drain_timeout_s", 30.0, float)
-        group = param(p, "lockstep_group", "")
-        if group:
-            sched.lockstep = self._ring(group)
         t0 = time.time()
         self.engine = SGLangEngine(self.engine_config)
         # Triton's own log (tritonserver.log): which dtype "auto" chose, and where
         pb_utils.Logger.log_info(f"model {self.name} loaded in {time.time() - t0:.1f}s ({self.engine.dtype} on the "
                                  f"{'GPU' if self.engine.device == 'cuda' else 'CPU'})")
-        event_log = param(p, "event_log", "")
+
+    def init_events(self) -> None:
+        """Where routing events go: the ``event_log`` file (if set; ``{model}`` = this model's name)
+        and the ring op ``events`` reads (online B*)."""
+        event_log = self.settings.event_log
         self._event_log = _EventLog(event_log.replace("{model}", self.name)) if event_log else None
         self._events_ring = EventRing()  # recent routing events for op "events" (online B*)
-        self._init_metrics()
-        self._metrics_snapshot = None
-        self._metrics_dirty = threading.Event()
+
+    def init_subserver(self) -> None:
+        """The subserver (admission and the decode loop) and the queue of the Triton I/O thread."""
         self._closing = threading.Event()
         # the Triton I/O thread: the only thread that sends responses and publishes metrics
         self._io_q: "queue.Queue" = queue.Queue()
-        self.subserver = Subserver(self.engine, self.name, sched, event_sink=self._on_event,
+        self.subserver = Subserver(self.engine, self.name, self._sched, event_sink=self._on_event,
                                    on_idle=self._refresh_metrics_idle, configure_algorithm=configure_algorithm)
-        endpoint = param(p, "peer_endpoint", "") or None
-        self.peer_server = PeerServer(self.subserver, endpoint, configure_fn=self._configure,
-                                      events_fn=self._events,
-                                      curve=CurveServer.from_params(p, endpoint or "", self.name),
-                                      router_timeout_s=param(p, "router_timeout_s", 10.0, float))
+
+    def init_channel(self) -> None:
+        """The inter-model channel's server at ``peer_endpoint`` (default a fresh ``ipc://`` path),
+        with CURVE on a TCP endpoint.
+
+        Raises:
+            pb_utils.TritonModelException: a TCP endpoint with CURVE on and its keys missing or bad.
+        """
+        s = self.settings
+        try:
+            curve = CurveServer.from_settings(s.curve, s.peer_endpoint or "", self.name)
+        except ValueError as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+        self.peer_server = PeerServer(self.subserver, s.peer_endpoint, configure_fn=self._configure,
+                                      events_fn=self._events, curve=curve, router_timeout_s=s.router_timeout_s)
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
-        self._start_liveness()
+
+    def init_io_thread(self) -> None:
+        """Start the Triton I/O thread (:meth:`_io_loop`)."""
         self._io_thread = threading.Thread(target=self._io_loop, name=f"triton-io-{self.name}", daemon=True)
         self._io_thread.start()
 
     # --------------------------------------------------------------- metrics
-    def _init_metrics(self) -> None:
+    def init_metrics(self) -> None:
+        """The model's metric families (module docstring) and the snapshot the loop thread fills."""
+        self._metrics_snapshot = None
+        self._metrics_dirty = threading.Event()
         # gauges are set from the loop's snapshot; counters advance by the snapshot's increase
         G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
         fams = {

@@ -47,12 +47,14 @@ Outputs
     discarded; with speculative decoding ``drafts``: one ``{"pos", "drafted", "accepted"}`` per
     verification) when asked.
 
-Config parameters: ``models`` (comma-separated, deployment order; model 0 is
-the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
+Config parameters (read once, at load, into :class:`~tokenrouter.triton.settings.RouterSettings`,
+whose docstring gives each one's unit and default): ``models`` (comma-separated, deployment order;
+model 0 is the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
 ``max_concurrent_requests``, ``default_max_tokens``, ``context_length``,
 ``peer_timeout_s`` (a model silent this long fails the request; 0 = never: the backstop for a
 hung model -- a dead one is found by its process or heartbeat, and a request waiting for KV
-ends at its queue timeout, as "busy", long before), the limits of :class:`RequestLimits`
+ends at its queue timeout, as "busy", long before), the limits of
+:class:`~tokenrouter.triton.settings.RequestLimits`
 (``max_input_bytes``, ``max_queued_requests``, ``queue_timeout_s``) and of
 :class:`~tokenrouter.engine.sampling.InputLimits` (``max_sampling_parameters_bytes``,
 ``max_json_depth``, ``max_stop_strings``, ``max_stop_string_bytes``, ``max_stop_token_ids``),
@@ -101,24 +103,24 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from ..algorithms import configure as configure_algorithm
+from ..algorithms import get_algorithm
 from ..engine.detok import IncrementalDetokenizer
 from ..engine.sampling import InputLimits, SamplingParams, check_json_text, parse_sampling_parameters
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
-from ..routing.peer import (PeerClient, PeerDownError, advert_path, parse_remote_models, read_advert,
-                            remove_advert, write_advert)
+from ..routing.peer import PeerClient, PeerDownError, advert_path, read_advert, remove_advert, write_advert
 from ..protocol import FinishReason
 from ..routing.router_core import drive, encode_prompt, make_header, stop_token_ids
 from . import model_control
-from .common import model_parameters, param, resolve_model_path
+from .common import model_parameters
 from .metrics import RouterMetrics, observe_request
+from .settings import RequestLimits, RouterSettings
 from .transport import TritonTransport
 
 logger = logging.getLogger(__name__)
@@ -147,46 +149,6 @@ def longest_token_bytes(tokenizer) -> int:
         except Exception:  # noqa: BLE001 - fall back to the vocabulary's strings
             pass
     return max(1, max((len(t.encode("utf-8")) for t in tokenizer.get_vocab()), default=16))
-
-
-@dataclass(frozen=True)
-class RequestLimits:
-    """The router's bounds on one request and on its queue (config parameters of the same names).
-
-    Attributes:
-        max_input_bytes: UTF-8 bytes of ``text_input``, checked before decoding and
-            tokenising.  Default: ``context_length`` × the longest token of the vocabulary in
-            bytes, a bound no prompt that fits the context can exceed.
-        max_queued_requests: requests accepted but waiting for one of the
-            ``max_concurrent_requests`` workers; beyond it a request is refused at once as busy.
-        queue_timeout_s: seconds a request may wait for a worker, and for KV on each model
-            it visits (sent to the models; they also have their own ``queue_timeout_s``);
-            Triton's per-request ``timeout`` parameter (microseconds) lowers it.  Past it the
-            request ends as busy.  0 = no limit.
-        sampling: limits of the sampling parameters (:class:`~tokenrouter.engine.sampling.InputLimits`).
-    """
-
-    max_input_bytes: int
-    max_queued_requests: int = 64
-    queue_timeout_s: float = 60.0
-    sampling: InputLimits = InputLimits()
-
-    @classmethod
-    def from_params(cls, p: Dict[str, str], context_length: int, tokenizer) -> "RequestLimits":
-        """Read them from the router's config parameters.
-
-        Raises:
-            ValueError: a parameter that is not a number, or out of range (naming it).
-        """
-        d = InputLimits()
-        sampling = InputLimits(**{k: param(p, k, getattr(d, k), int) for k in InputLimits.__dataclass_fields__})
-        lim = cls(max_input_bytes=param(p, "max_input_bytes", context_length * longest_token_bytes(tokenizer), int),
-                  max_queued_requests=param(p, "max_queued_requests", 64, int),
-                  queue_timeout_s=param(p, "queue_timeout_s", 60.0, float), sampling=sampling)
-        if lim.max_input_bytes < 1 or lim.max_queued_requests < 0 or not lim.queue_timeout_s >= 0:
-            raise ValueError(f"max_input_bytes must be >= 1, max_queued_requests >= 0 and queue_timeout_s "
-                             f">= 0; got {lim.max_input_bytes}, {lim.max_queued_requests}, {lim.queue_timeout_s}")
-        return lim
 
 
 def _opt_input(request, name: str):
@@ -286,9 +248,6 @@ def _request_parameters(request, limits: Optional[InputLimits] = None) -> Option
     return d or None
 
 
-#: values of the ``transport`` config parameter: how the router reaches the models
-TRANSPORTS = ("zmq", "triton")
-
 #: seconds between two cancellation sweeps of the client I/O loop (each check
 #: of a request is an IPC round trip to the server: at 0.05 s, 32 streams cost
 #: 640 round trips a second, a few % of a core on a 2-core host)
@@ -304,67 +263,114 @@ class TritonPythonModel:
     """The router (see module docstring)."""
 
     def initialize(self, args: Dict[str, Any]) -> None:
-        """Triton's model load: read the config parameters, load the tokenizer and the algorithm,
-        connect to the models. Raises ``TritonModelException`` on a bad config (the load fails)."""
+        """Triton's model load, one ``init_*`` step after the other: read the config parameters,
+        load the tokenizer and the algorithm, connect to the models, start the threads.
+
+        Raises:
+            pb_utils.TritonModelException: a bad config (the load fails; the message names the parameter).
+        """
+        self.init_settings(args)
+        self.init_tokenizer()
+        self.init_algorithm()
+        self.init_limits()
+        self.init_workers()
+        self.init_peers()
+        self.init_metrics(args)
+        self.init_online()
+        self.init_threads()
+
+    def init_settings(self, args: Dict[str, Any]) -> None:
+        """Read the model config once: ``self.settings``
+        (:class:`~tokenrouter.triton.settings.RouterSettings`), checked before anything starts.
+
+        Raises:
+            pb_utils.TritonModelException: the model is not decoupled, a parameter is malformed or
+                out of range (naming it), or ``tokenizer_path`` is no checkpoint folder.
+        """
         self.model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
             raise pb_utils.TritonModelException("token_router must be decoupled")
-        p = model_parameters(self.model_config)
-        self.models = [m.strip() for m in param(p, "models", "slm,llm").split(",") if m.strip()]
-        online_settings = self._online_settings(p)  # checked before anything is started
-        self.algorithm = param(p, "algorithm", "rstitch")
-        self.algo_cls, self.base_params = configure_algorithm(
-            self.algorithm, param(p, "algorithm_params", "{}"), len(self.models))
-        self.default_max_tokens = param(p, "default_max_tokens", 16, int)
+        self._name = str(self.model_config.get("name", "token_router"))
+        try:
+            self.settings = RouterSettings.from_parameters(model_parameters(self.model_config))
+        except (ValueError, OSError) as e:
+            raise pb_utils.TritonModelException(str(e)) from None
+        self.models: List[str] = list(self.settings.models)
+        self.remote = self.settings.remote_models
+        self.transport = self.settings.transport
+        self.default_max_tokens = self.settings.default_max_tokens
+
+    def init_tokenizer(self) -> None:
+        """Load the tokenizer (``tokenizer_path``); the context length (``context_length``, else the
+        tokenizer's ``model_max_length``, 8192 where it has none), stop tokens and vocabulary size."""
         from transformers import AutoTokenizer  # after the stub's locale fix
 
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            resolve_model_path(param(p, "tokenizer_path", "smollm2-135m-instruct")))
-        self.context_length = param(p, "context_length", 0, int) or int(
+        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer_path)
+        self.context_length = self.settings.context_length or int(
             getattr(self.tokenizer, "model_max_length", 8192) if
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
         self.stop_token_ids = stop_token_ids(self.tokenizer)
-        self.limits = self._init_limits(p)
         self.vocab_size = len(self.tokenizer)  # ids >= this are no token (added tokens included)
-        self.pool = ThreadPoolExecutor(max_workers=param(p, "max_concurrent_requests", 16, int),
+
+    def init_algorithm(self) -> None:
+        """The routing algorithm (``algorithm``) and its checked parameters (``algorithm_params``),
+        the base of every request's parameters."""
+        self.algorithm = self.settings.algorithm
+        self.algo_cls = get_algorithm(self.algorithm)
+        self.base_params = dict(self.settings.algorithm_params)
+
+    def init_limits(self) -> None:
+        """The request and queue limits (:class:`~tokenrouter.triton.settings.RequestLimits`);
+        ``max_input_bytes`` defaults to ``context_length`` × the longest token in bytes."""
+        lim = self.settings.limits
+        if lim.max_input_bytes is None:
+            lim = replace(lim, max_input_bytes=self.context_length * longest_token_bytes(self.tokenizer))
+        self.limits: RequestLimits = lim
+
+    def init_workers(self) -> None:
+        """The worker pool (``max_concurrent_requests`` threads), the table of active requests and
+        the client I/O queue."""
+        self.pool = ThreadPoolExecutor(max_workers=self.settings.max_concurrent_requests,
                                        thread_name_prefix="router")
         self._closing = threading.Event()
-        self.remote = parse_remote_models(param(p, "remote_models", ""))
-        unknown = sorted(set(self.remote) - set(self.models))
-        if unknown:
-            raise pb_utils.TritonModelException(f"remote_models names {unknown}, not in models {self.models}")
-        self.failure = _PeerFailure(self, param(p, "on_peer_failure", "fail"),
-                                    param(p, "peer_restart_s", 5.0, float), remote=self.remote)
-        self.transport = param(p, "transport", "zmq").strip().lower()
-        stall = param(p, "peer_timeout_s", 600.0, float)
-        if self.transport == "zmq":
-            self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=stall, tick_s=WAIT_TICK_S,
-                                    on_down=self.failure.on_down, on_up=self.failure.on_up, remote=self.remote,
-                                    curve=CurveClient.from_params(p, self.remote),
-                                    heartbeat_s=param(p, "heartbeat_interval_s", 0.5, float),
-                                    heartbeat_timeout_s=param(p, "heartbeat_timeout_s", 2.0, float))
-            silent = self.peers.wait_connected(self.peers.heartbeat_timeout_s) if self.remote else []
-            if silent:
-                logger.warning("router: no answer yet from %s (requests to a model none of whose replicas "
-                               "answers are refused until one does)", "; ".join(silent))
-        elif self.transport == "triton":
-            if self.remote:
-                raise pb_utils.TritonModelException(
-                    "remote_models needs transport zmq (the Triton transport reaches models of this server only)")
-            self.peers = TritonTransport(self._discover_process, stall_timeout_s=stall, tick_s=WAIT_TICK_S,
-                                         on_down=self.failure.on_down, pb_utils=pb_utils)
-        else:
-            raise pb_utils.TritonModelException(
-                f"config parameter transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        #: the Triton transport's finished BLS streams are freed after a cancellation check (its fence)
-        self._fence = self.peers if self.transport == "triton" else None
         # the client I/O loop: the only thread that sends responses and checks cancellation
         self._out: "queue.Queue[tuple]" = queue.Queue()
         self._active: Dict[str, _Job] = {}
         self._active_lock = threading.Lock()
         self._running = 0  # jobs a worker is driving (the rest of _active wait for one)
-        self.metrics = self._init_metrics(args)
-        self.online = self._init_online(online_settings)
+
+    def init_peers(self) -> None:
+        """How the models are reached: the failure policy (:class:`_PeerFailure`: ``on_peer_failure``,
+        ``peer_restart_s``) and the transport (``zmq``: a :class:`PeerClient`, which waits up to a
+        heartbeat timeout for the remote models; ``triton``: a :class:`TritonTransport`).
+
+        Raises:
+            pb_utils.TritonModelException: CURVE keys missing or unreadable (naming the parameter).
+        """
+        s = self.settings
+        self.failure = _PeerFailure(self, s.on_peer_failure, s.peer_restart_s, remote=self.remote)
+        if self.transport == "zmq":
+            try:
+                curve = CurveClient.from_settings(s.curve, self.remote)
+            except ValueError as e:
+                raise pb_utils.TritonModelException(str(e)) from None
+            self.peers = PeerClient(self._discover_endpoint, stall_timeout_s=s.peer_timeout_s, tick_s=WAIT_TICK_S,
+                                    on_down=self.failure.on_down, on_up=self.failure.on_up, remote=self.remote,
+                                    curve=curve, heartbeat_s=s.heartbeat_interval_s,
+                                    heartbeat_timeout_s=s.heartbeat_timeout_s)
+            silent = self.peers.wait_connected(self.peers.heartbeat_timeout_s) if self.remote else []
+            if silent:
+                logger.warning("router: no answer yet from %s (requests to a model none of whose replicas "
+                               "answers are refused until one does)", "; ".join(silent))
+        else:  # "triton" (RouterSettings allows no other value, and no remote_models with it)
+            self.peers = TritonTransport(self._discover_process, stall_timeout_s=s.peer_timeout_s,
+                                         tick_s=WAIT_TICK_S, on_down=self.failure.on_down, pb_utils=pb_utils)
+        #: the Triton transport's finished BLS streams are freed after a cancellation check (its fence)
+        self._fence = self.peers if self.transport == "triton" else None
+
+    def init_threads(self) -> None:
+        """Start the client I/O thread, the failure policy's recovery thread and the online B* thread;
+        advertise this router (the models restart a dead one) and install the stub guard."""
         self._io_done = threading.Event()
         self._io = threading.Thread(target=self._client_io, name="router-client-io", daemon=True)
         self._io.start()
@@ -373,7 +379,6 @@ class TritonPythonModel:
             self.online.start()
         from . import stub_guard  # no orphan if tritonserver goes away without finalising this stub
 
-        self._name = str(self.model_config.get("name", "token_router"))
         write_advert(self._name, "", kind="router")  # the models restart a dead router
         stub_guard.install(self._cleanup_files)
 
@@ -383,50 +388,34 @@ class TritonPythonModel:
         self.peers.close()
 
     # --------------------------------------------------------------- metrics
-    def _init_metrics(self, args: Dict[str, Any]) -> Optional[RouterMetrics]:
-        """The router's metric families (None, logged, where the server offers no metrics)."""
+    def init_metrics(self, args: Dict[str, Any]) -> None:
+        """``self.metrics``: the router's metric families (None, logged, where the server offers no metrics)."""
         try:
-            return RouterMetrics(pb_utils, args.get("model_name", "token_router"),
-                                 str(args.get("model_version", "1")), self.models)
+            self.metrics: Optional[RouterMetrics] = RouterMetrics(
+                pb_utils, args.get("model_name", "token_router"), str(args.get("model_version", "1")), self.models)
         except Exception:  # noqa: BLE001 - metrics must never stop serving
             logger.warning("router: metrics unavailable", exc_info=True)
-            return None
+            self.metrics = None
 
-    def _init_limits(self, p: Dict[str, str]) -> RequestLimits:
-        """The request and queue limits (:class:`RequestLimits`); TritonModelException on a bad value."""
-        try:
-            return RequestLimits.from_params(p, self.context_length, self.tokenizer)
-        except ValueError as e:
-            raise pb_utils.TritonModelException(str(e)) from None
-
-    def _online_settings(self, p: Dict[str, str]):
-        """The ``online_*`` parameters (:class:`tokenrouter.routing.online_bstar.OnlineSettings`).
-
-        Raises:
-            pb_utils.TritonModelException: a malformed ``online_*`` parameter (the model fails to load).
-        """
-        from .online import online_settings
-
-        try:
-            return online_settings(p, self.models)
-        except ValueError as e:
-            raise pb_utils.TritonModelException(str(e)) from None
-
-    def _init_online(self, settings):
-        """The online B* adaptation (:mod:`tokenrouter.routing.online_bstar`) if ``online_adaptation`` is on, else None."""
+    def init_online(self) -> None:
+        """``self.online``: the online B* adaptation (:mod:`tokenrouter.routing.online_bstar`) if
+        ``online_adaptation`` is on, else None."""
         from ..routing.online_bstar import OnlineBStar
         from .online import OnlineMetrics
 
+        self.online = None
+        settings = self.settings.online
         if not settings.enabled:
-            return None
+            return
 
         def live() -> int:
             with self._active_lock:
                 return self._running
 
         name = str(self.model_config.get("name", "token_router"))
-        return OnlineBStar(settings, self.models, name, self.peers, live, lambda fn: self._out.put((None, "call", fn)),
-                           metrics=OnlineMetrics(pb_utils, name, self.models))
+        self.online = OnlineBStar(settings, self.models, name, self.peers, live,
+                                  lambda fn: self._out.put((None, "call", fn)),
+                                  metrics=OnlineMetrics(pb_utils, name, self.models))
 
     def _io_metrics(self, payload) -> None:
         """Record one request's metrics (client I/O thread only: every update is an IPC)."""
@@ -849,9 +838,6 @@ class TritonPythonModel:
         self.failure.drop_metrics()
 
 
-ON_PEER_FAILURE = ("fail", "fallback")
-
-
 class _PeerFailure:
     """What the router does about models that are down (issue: a dead model must not take
     routed requests down with it).
@@ -881,21 +867,13 @@ class _PeerFailure:
 
     Args:
         router: the :class:`TritonPythonModel` (its client I/O queue and peers).
-        mode: ``fail`` or ``fallback``.
+        mode: ``fail`` or ``fallback`` (:data:`~tokenrouter.triton.settings.ON_PEER_FAILURE`; the
+            router's settings checked it).
         restart_s: seconds between two restart attempts of a dead model (> 0).
         remote: names of the remote models (never restarted from here).
-
-    Raises:
-        pb_utils.TritonModelException: bad ``mode`` or ``restart_s`` (the model fails to load).
     """
 
     def __init__(self, router, mode: str, restart_s: float, remote=()):
-        mode = str(mode).strip().lower()
-        if mode not in ON_PEER_FAILURE:
-            raise pb_utils.TritonModelException(
-                f"on_peer_failure must be one of {ON_PEER_FAILURE}, got {mode!r}")
-        if not restart_s > 0:
-            raise pb_utils.TritonModelException(f"peer_restart_s must be > 0, got {restart_s}")
         self.router = router
         self.mode = mode
         self.fallback = mode == "fallback"

@@ -1,0 +1,184 @@
+"""The Triton models' settings (tokenrouter.triton.settings), read from config parameters without a server:
+the defaults, one override of each kind of value, and bad values refused naming their parameter."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import pytest
+
+from tokenrouter.algorithms import configure
+from tokenrouter.engine.sampling import InputLimits
+from tokenrouter.engine.sglang_engine import EngineConfig
+from tokenrouter.engine.subserver import SubserverConfig
+from tokenrouter.routing.curve import CurveSettings
+from tokenrouter.routing.online_bstar import OnlineSettings
+from tokenrouter.triton.settings import (DEFAULT_CHECKPOINT, LLMSettings, RequestLimits, RouterSettings,
+                                         read_parameter)
+
+
+@pytest.fixture
+def weights(tmp_path, monkeypatch):
+    """A weights folder holding the default checkpoint (a config.json is all path resolution checks)."""
+    ckpt = tmp_path / DEFAULT_CHECKPOINT
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}")
+    monkeypatch.setenv("TOKENROUTER_WEIGHTS", str(tmp_path))
+    return tmp_path
+
+
+# ------------------------------------------------------------------------------------ router
+def test_router_defaults_are_the_documented_ones(weights):
+    s = RouterSettings.from_parameters({})
+    # the dataclass's defaults are the parameters' defaults (one source), with the path resolved
+    # and the algorithm's parameters as the algorithm validated them
+    _, rstitch_params = configure("rstitch", "{}", 2)
+    assert s == dataclasses.replace(RouterSettings(), tokenizer_path=str(weights / DEFAULT_CHECKPOINT),
+                                    algorithm_params=rstitch_params)
+    assert s.models == ("slm", "llm") and s.algorithm == "rstitch" and s.transport == "zmq"
+    assert (s.default_max_tokens, s.context_length, s.max_concurrent_requests) == (16, 0, 16)
+    assert (s.peer_timeout_s, s.peer_restart_s, s.heartbeat_interval_s, s.heartbeat_timeout_s) == (600, 5, 0.5, 2)
+    assert s.on_peer_failure == "fail" and s.remote_models == {}
+    assert s.limits == RequestLimits(max_input_bytes=None, max_queued_requests=64, queue_timeout_s=60,
+                                     sampling=InputLimits())
+    assert s.curve == CurveSettings(enabled=True) and s.online == OnlineSettings(enabled=False)
+    # empty values and unexpanded ${…} placeholders are unset parameters
+    assert RouterSettings.from_parameters({"transport": "", "default_max_tokens": "${MAX}", "models": " "}) == s
+
+
+def test_router_overrides_one_of_each_kind(weights, tmp_path):
+    tok = tmp_path / "other-tokenizer"
+    tok.mkdir()
+    (tok / "config.json").write_text("{}")
+    s = RouterSettings.from_parameters({
+        "models": " a, b,",                                 # list
+        "algorithm": "random", "algorithm_params": '{"p": 0.25}',  # JSON object
+        "tokenizer_path": str(tok),                          # path (absolute: taken as is)
+        "max_concurrent_requests": "4",                      # int
+        "peer_timeout_s": "2.5",                             # float
+        "transport": " Triton ",                             # choice (case and spaces ignored)
+        "on_peer_failure": "FALLBACK",
+        "online_adaptation": "yes",                          # bool
+        "online_quantum_s": "0.001",
+        "max_json_depth": "3", "max_input_bytes": "1000", "queue_timeout_s": "0",  # limits
+        "curve": "off",
+    })
+    assert s.models == ("a", "b") and s.algorithm == "random"
+    assert s.algorithm_params == configure("random", '{"p": 0.25}', 2)[1] and s.algorithm_params["p"] == 0.25
+    assert s.tokenizer_path == str(tok)
+    assert s.max_concurrent_requests == 4 and s.peer_timeout_s == 2.5
+    assert s.transport == "triton" and s.on_peer_failure == "fallback"
+    assert s.online.enabled is True and s.online.quantum_s == 0.001 and s.online.interval_s == 2.0
+    assert s.limits.sampling == dataclasses.replace(InputLimits(), max_json_depth=3)
+    assert s.limits.max_input_bytes == 1000 and s.limits.queue_timeout_s == 0
+    assert s.curve.enabled is False
+
+
+def test_router_remote_models_and_their_checks(weights):
+    s = RouterSettings.from_parameters({"remote_models": '{"llm": ["tcp://h1:5", "tcp://h2:5"]}',
+                                        "curve_secret_key_file": "/k/router.key_secret"})
+    assert s.remote_models == {"llm": ["tcp://h1:5", "tcp://h2:5"]}
+    assert s.curve.secret_key_file == "/k/router.key_secret"
+    with pytest.raises(ValueError, match=r"remote_models names \['big'\], not in models \['slm', 'llm'\]"):
+        RouterSettings.from_parameters({"remote_models": '{"big": "tcp://h:1"}'})
+    with pytest.raises(ValueError, match="remote_models needs transport zmq"):
+        RouterSettings.from_parameters({"remote_models": '{"llm": "tcp://h:1"}', "transport": "triton"})
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"max_concurrent_requests": "many"}, "config parameter 'max_concurrent_requests': cannot read 'many' as int"),
+    ({"max_concurrent_requests": "0"}, "'max_concurrent_requests' must be >= 1"),
+    ({"peer_timeout_s": "soon"}, "config parameter 'peer_timeout_s': cannot read 'soon' as float"),
+    ({"online_adaptation": "maybe"}, "config parameter 'online_adaptation': cannot read 'maybe' as bool"),
+    ({"transport": "http"}, "transport must be one of \\('zmq', 'triton'\\), got 'http'"),
+    ({"on_peer_failure": "retry"}, "on_peer_failure must be one of"),
+    ({"peer_restart_s": "0"}, "peer_restart_s must be > 0"),
+    ({"heartbeat_interval_s": "3"}, "heartbeat_interval_s \\(3.0\\) and heartbeat_timeout_s"),
+    ({"max_input_bytes": "0"}, "max_input_bytes must be >= 1"),
+    ({"max_queued_requests": "-1"}, "max_queued_requests >= 0"),
+    ({"max_json_depth": "0"}, "max_json_depth must be an integer >= 1"),
+    ({"online_adaptation": "true", "online_interval_s": "0"}, "'online_interval_s' must be a number of seconds > 0"),
+    ({"online_fixed_thresholds": '{"big": 2}'}, "'online_fixed_thresholds' must be a JSON object"),
+    ({"online_quantum_s": "fast"}, "'online_quantum_s' must be 'auto' or seconds"),
+    ({"algorithm": "nope"}, "unknown routing algorithm 'nope'"),
+    ({"algorithm_params": "[1]"}, "algorithm_params must be a JSON object"),
+    ({"models": "slm"}, "needs between 2 and 2 models"),
+    ({"remote_models": "{"}, "remote_models is not valid JSON"),
+    ({"curve": "maybe"}, "config parameter 'curve' must be on or off"),
+])
+def test_router_refuses_a_bad_value_naming_it(weights, params, message):
+    with pytest.raises(ValueError, match=message):
+        RouterSettings.from_parameters(params)
+
+
+def test_router_refuses_a_missing_tokenizer(weights):
+    with pytest.raises(FileNotFoundError, match="no-such-tokenizer"):
+        RouterSettings.from_parameters({"tokenizer_path": "no-such-tokenizer"})
+
+
+# ------------------------------------------------------------------------------------ LLM
+def test_llm_defaults_and_the_engine_and_subserver_configs(weights):
+    s = LLMSettings.from_parameters({})
+    assert s == dataclasses.replace(LLMSettings(), model_path=str(weights / DEFAULT_CHECKPOINT))
+    assert (s.dtype, s.kv_pool_tokens, s.max_running_requests, s.context_length) == ("float32", 16384, 32, None)
+    assert (s.delayed_batch_size, s.max_wait_s, s.stream_interval, s.prefill_chunk_tokens) == (1, 0.005, 1, 512)
+    assert (s.queue_timeout_s, s.max_queued_requests, s.drain_timeout_s, s.router_timeout_s) == (60, 256, 30, 10)
+    assert s.prefix_cache is True and s.cuda_graph is True and s.attention_backend is None
+    assert s.peer_endpoint is None and s.lockstep_group == "" and s.event_log == ""
+    # the engine and subserver take exactly these keyword arguments, as plain picklable dicts
+    engine = EngineConfig(**s.engine_kwargs())
+    assert (engine.model_path, engine.dtype, engine.prefix_cache) == (s.model_path, "float32", True)
+    sub = SubserverConfig(**s.subserver_kwargs())
+    assert (sub.delayed_batch_size, sub.max_wait_s, sub.max_queued_requests) == (1, 0.005, 256)
+    assert pickle.loads(pickle.dumps((s.engine_kwargs(), s.subserver_kwargs()))) == (s.engine_kwargs(),
+                                                                                     s.subserver_kwargs())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.dtype = "bfloat16"
+
+
+def test_llm_overrides_one_of_each_kind(weights):
+    s = LLMSettings.from_parameters({
+        "dtype": "bfloat16",                       # str
+        "kv_pool_tokens": "4096",                  # int
+        "mem_fraction_static": "0.45",             # float
+        "prefix_cache": "false", "cuda_graph": "0",  # bool
+        "context_length": "0",                     # 0: the model's own
+        "attention_backend": "fa3",
+        "delayed_batch_max_wait_us": "250",        # µs → s
+        "delayed_batch_size": "0",                 # < 1 reads as 1
+        "peer_endpoint": "tcp://0.0.0.0:5555", "curve_authorized_keys_dir": "/k/authorized_keys",
+    })
+    assert s.dtype == "bfloat16" and s.kv_pool_tokens == 4096 and s.mem_fraction_static == 0.45
+    assert s.prefix_cache is False and s.cuda_graph is False and s.context_length is None
+    assert s.attention_backend == "fa3" and s.max_wait_s == 250e-6 and s.delayed_batch_size == 1
+    assert s.peer_endpoint == "tcp://0.0.0.0:5555" and s.curve.authorized_keys_dir == "/k/authorized_keys"
+    assert s.engine_kwargs()["kv_pool_tokens"] == 4096 and s.subserver_kwargs()["max_wait_s"] == 250e-6
+
+
+@pytest.mark.parametrize("params, message", [
+    ({"kv_pool_tokens": "lots"}, "config parameter 'kv_pool_tokens': cannot read 'lots' as int"),
+    ({"prefix_cache": "sometimes"}, "config parameter 'prefix_cache': cannot read 'sometimes' as bool"),
+    ({"router_timeout_s": "10s"}, "config parameter 'router_timeout_s': cannot read '10s' as float"),
+    ({"queue_timeout_s": "-1"}, "queue_timeout_s must be >= 0"),
+    ({"prefill_chunk_tokens": "-5"}, "prefill_chunk_tokens must be >= 0"),
+    ({"curve": "maybe"}, "config parameter 'curve' must be on or off"),
+])
+def test_llm_refuses_a_bad_value_naming_it(weights, params, message):
+    with pytest.raises(ValueError, match=message):
+        LLMSettings.from_parameters(params)
+
+
+def test_llm_refuses_a_missing_checkpoint(weights):
+    with pytest.raises(FileNotFoundError, match="model_path 'absent-model'"):
+        LLMSettings.from_parameters({"model_path": "absent-model"})
+
+
+def test_read_parameter_kinds():
+    p = {"i": "7", "f": "0.5", "b": "On", "s": " x ", "e": "", "ph": "${X}"}
+    assert read_parameter(p, "i", 0, int) == 7 and read_parameter(p, "f", 0.0, float) == 0.5
+    assert read_parameter(p, "b", False, bool) is True and read_parameter(p, "s", "") == " x "
+    assert read_parameter(p, "e", 3, int) == 3 and read_parameter(p, "ph", "d") == "d"
+    assert read_parameter(p, "absent", None, int) is None
+    with pytest.raises(ValueError, match="config parameter 's': cannot read ' x ' as int"):
+        read_parameter(p, "s", 0, int)
