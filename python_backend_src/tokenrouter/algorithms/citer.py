@@ -9,7 +9,7 @@ regenerates it from the full prefix; the LLM hands back after one token.
 Paper setting: τ = 0.98.
 
 Parameters: ``tau`` (float in [0, 1], default 0.98; per-request override via
-``routing_threshold``), ``router`` (router file, default ``citer_smollm2-135m.pt``).
+``routing_threshold``), ``router`` (router file; default ``auto``: the shipped router trained for model 0's checkpoint).
 Trace score: ``c`` on SLM steps, none on LLM steps.
 """
 
@@ -28,7 +28,7 @@ class CITER(OneTokenDeferral):
     name = "citer"
     router_kind = "citer"
     params_spec = {"tau": ParamSpec(float, 0.98, 0.0, 1.0, "confidence threshold τ: defer when c < τ"),
-                   "router": router_spec("citer_smollm2-135m.pt")}
+                   "router": router_spec()}
     threshold_param = "tau"
 
     def score(self, result: StepResult) -> float:

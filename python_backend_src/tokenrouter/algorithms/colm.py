@@ -16,7 +16,7 @@ this samples the mixture's components rather than taking the mixture's argmax.)
 
 Parameters: ``eta`` (float in [0, 1], default 0.15; per-request override via
 ``routing_threshold``), ``compose`` (bool, default false), ``seed`` (int,
-compose draws), ``router`` (default ``colm_smollm2-135m.pt``).
+compose draws), ``router`` (default ``auto``: the shipped router trained for model 0's checkpoint).
 Trace score: ``p`` on base steps, none on assistant steps.
 """
 
@@ -37,7 +37,7 @@ class CoLLM(OneTokenDeferral):
     params_spec = {"eta": ParamSpec(float, 0.15, 0.0, 1.0, "deferral threshold η: defer when p > η"),
                    "compose": ParamSpec(bool, False, doc="mix (1-p)·base + p·assistant instead of thresholding"),
                    "seed": ParamSpec(int, 0, 0, None, "seed of the compose-mode draws"),
-                   "router": router_spec("colm_smollm2-135m.pt")}
+                   "router": router_spec()}
     threshold_param = "eta"
 
     def score(self, result: StepResult) -> float:

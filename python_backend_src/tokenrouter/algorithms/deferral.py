@@ -18,21 +18,24 @@ import torch
 
 from ..protocol import StepResult
 from .base import ParamSpec, RoutingAlgorithm
-from .learned import RouterFile, load_router
+from .learned import AUTO, RouterFile, find_router, load_router
 
 __all__ = ["OneTokenDeferral", "router_spec"]
 
 
-def router_spec(default: str) -> ParamSpec:
-    """The ``router`` parameter: a router weights file (absolute, or under ``tokenrouter/routers/``)."""
-    return ParamSpec(str, default, doc="router weights file (absolute, or under tokenrouter/routers/)")
+def router_spec() -> ParamSpec:
+    """The ``router`` parameter: a router weights file (absolute, or under ``tokenrouter/routers/``), or
+    ``auto`` (default): the shipped router of the algorithm's kind trained for the served SLM
+    (:func:`~.learned.find_router`)."""
+    return ParamSpec(str, AUTO, doc="router weights file (absolute, or under tokenrouter/routers/); "
+                     "auto: the shipped one trained for model 0's checkpoint")
 
 
 class OneTokenDeferral(RoutingAlgorithm):
     """Base class: learned router on model 0, one-token visits to model 1.
 
     Subclasses set :attr:`router_kind`, put their threshold and
-    ``router_spec(<default file>)`` into :attr:`params_spec` and implement :meth:`score` and
+    ``router_spec()`` into :attr:`params_spec` and implement :meth:`score` and
     :meth:`defer`.
     """
 
@@ -53,7 +56,8 @@ class OneTokenDeferral(RoutingAlgorithm):
             ValueError: also for a missing router file or one of another kind.
         """
         out = super().validate_params(params, num_models)
-        load_router(out["router"], cls.router_kind)
+        if out["router"] != AUTO:  # auto is resolved against model 0's checkpoint in attach()
+            load_router(out["router"], cls.router_kind)
         return out
 
     def attach(self, engine) -> None:
@@ -64,7 +68,10 @@ class OneTokenDeferral(RoutingAlgorithm):
         if not getattr(engine.config, "capture_hidden", False):
             raise ValueError(f"algorithm {self.name!r} needs the last hidden state of model 0: set the "
                              f"config parameter capture_hidden to true on that model")
-        self.router = load_router(self.params["router"], self.router_kind)
+        path = self.params["router"]
+        if path == AUTO:
+            path = find_router(self.router_kind, engine.config.model_path)
+        self.router = load_router(path, self.router_kind)
         hs = getattr(engine.model_config, "hidden_size", None)
         if hs is not None and int(self.router.arch.get("hidden_size", hs)) != int(hs):
             raise ValueError(f"router {self.router.path!r} was trained for hidden size "

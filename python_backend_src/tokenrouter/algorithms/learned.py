@@ -49,7 +49,7 @@ import torch
 from torch import nn
 
 __all__ = ["FORMAT", "ROUTERS_DIR", "MLPHead", "LinearHead", "build_router", "load_router", "save_router",
-           "resolve_router_path", "RouterFile", "r2r_features", "embedding_matrix"]
+           "resolve_router_path", "RouterFile", "r2r_features", "embedding_matrix", "AUTO", "find_router"]
 
 FORMAT = "tokenrouter-router/1"
 #: shipped routers (the ``router`` parameter's relative paths resolve here first)
@@ -138,6 +138,32 @@ def resolve_router_path(path: str) -> str:
             return os.path.abspath(c)
     raise ValueError(f"router file {path!r} not found (looked at {cands}); train one with "
                      f"`python -m tokenrouter.tools.train_routers` (docs/algorithms/)")
+
+
+#: the ``router`` parameter's default: the shipped router of this kind trained for the served SLM
+AUTO = "auto"
+
+
+def find_router(kind: str, slm_path: str) -> str:
+    """The shipped router file of ``kind`` trained for the SLM at ``slm_path`` (the ``router=auto`` default).
+
+    A file matches when its ``meta["slm"]`` (train_routers.py writes the SLM checkpoint's folder
+    name) equals ``basename(slm_path)``; files are ``<kind>_<name>.pt`` under :data:`ROUTERS_DIR`.
+
+    Returns:
+        the absolute path of the matching file.
+    Raises:
+        ValueError: no shipped router of that kind matches (the message lists what is shipped and
+            how to train one).
+    """
+    want = os.path.basename(os.path.normpath(slm_path))
+    shipped = sorted(f for f in os.listdir(ROUTERS_DIR) if f.startswith(kind + "_") and f.endswith(".pt"))
+    for f in shipped:
+        if load_router(f, kind).meta.get("slm") == want:
+            return os.path.join(ROUTERS_DIR, f)
+    raise ValueError(f"no shipped {kind} router was trained for model 0 {want!r} (shipped: {shipped}); "
+                     f"train one with `python -m tokenrouter.tools.train_routers` and set the 'router' "
+                     f"parameter to its file (docs/algorithms/training.md)")
 
 
 def load_router(path: str, kind: Optional[str] = None) -> RouterFile:

@@ -16,7 +16,7 @@ threshold picked for 0.95 recall on held-out data.  The router file stores
 that threshold; ``threshold`` overrides it (per request: ``routing_threshold``).
 
 Parameters: ``threshold`` (float in [0, 1]; default: the file's recall-0.95
-threshold), ``router`` (default ``r2r_smollm2-135m.pt``).
+threshold), ``router`` (default ``auto``: the shipped router trained for model 0's checkpoint).
 Trace score: ``p`` on SLM steps, none on LLM steps.
 """
 
@@ -38,7 +38,7 @@ class R2R(OneTokenDeferral):
     params_spec = {"threshold": ParamSpec(float, None, 0.0, 1.0,
                                           "critical-probability threshold: defer when p >= threshold "
                                           "(default: the router file's recall-0.95 threshold)"),
-                   "router": router_spec("r2r_smollm2-135m.pt")}
+                   "router": router_spec()}
     threshold_param = "threshold"
 
     def attach(self, engine) -> None:

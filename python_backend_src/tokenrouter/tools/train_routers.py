@@ -12,9 +12,21 @@ Data (R2R-style labelling, one forward pass per model, teacher-forced):
    last hidden state after the final norm ``[H]``, next-token logits ``[V]``,
    the SLM's greedy token) and through the *labelling SLM*.
 3. Label per position: ``diff = argmax(labelling SLM) != argmax(LLM)`` -- R2R's
-   "the SLM's token differs from the LLM's".  R2R: target ``diff``; Co-LLM
-   (its weak-supervision initialisation): defer target ``diff``; CITER:
-   confidence target ``1 − diff`` (the SLM's token is acceptable).
+   "the SLM's token differs from the LLM's".
+4. Continuation check (R2R §3.2, "critical" vs "neutral" divergences): at every
+   ``diff`` position the LLM continues greedily for ``--rollout-tokens`` (W)
+   tokens after the *SLM's* token, reusing the trajectory's KV cache.  The
+   divergence is **neutral** when that continuation re-joins the trajectory --
+   its last ``--rejoin-tokens`` (K) tokens occur, in order, in the trajectory's
+   next W + K tokens, or both end with the same K tokens at a stop token -- and
+   **critical** otherwise (R2R asks a verifier LLM whether the meaning changed;
+   re-joining the LLM's own text is the cheap, deterministic stand-in).
+   ``critical = diff and not neutral``; W = 0 skips the check (critical = diff).
+
+Targets: R2R ``critical`` (it routes only divergences that change the
+continuation); CITER confidence ``1 − critical`` (the SLM's token is
+acceptable, CITER's long-term view); Co-LLM (its weak-supervision
+initialisation) defer target ``diff``.
 
 The demo pair serves the **same** SmolLM2-135M weights in both roles, so the
 served SLM never differs from the LLM and every label would be 0.  For that
@@ -91,25 +103,93 @@ def load_prompts(path: str) -> List[str]:
     return out
 
 
+def rejoins(cont: List[int], orig: List[int], stops, k: int) -> bool:
+    """Whether a rollout ``cont`` re-joins the original continuation ``orig`` (module docstring, step 4).
+
+    Args:
+        cont: token ids the LLM wrote after the SLM's token (W of them, or fewer up to a stop).
+        orig: the trajectory's tokens after the LLM's own token at that position (up to its stop).
+        stops: stop token ids.
+        k: how many trailing tokens must match.
+    Returns:
+        True (neutral divergence) when ``cont``'s last ``k`` tokens occur contiguously in
+        ``orig[: len(cont) + k]``, or when both end at a stop token with the same last
+        ``min(k, len)`` tokens; False (critical) otherwise.
+    """
+    def cut(x):
+        for i, t in enumerate(x):
+            if t in stops:
+                return x[: i + 1], True
+        return x, False
+    cont, c_end = cut(list(cont))
+    orig, o_end = cut(list(orig))
+    if c_end or o_end:
+        n = min(k, len(cont), len(orig))
+        return c_end and o_end and cont[-n:] == orig[-n:]
+    if len(cont) < k:
+        return False
+    tail, window = cont[-k:], orig[: len(cont) + k]
+    return any(window[i:i + k] == tail for i in range(len(window) - k + 1))
+
+
+def select_rows(cache, rows: torch.Tensor):
+    """A new ``DynamicCache`` holding rows ``rows`` (int64 [C], repeats allowed) of ``cache``; ``cache`` is unchanged."""
+    from transformers import DynamicCache
+
+    sub = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        sub.update(layer.keys[rows], layer.values[rows], i)
+    return sub
+
+
 @torch.no_grad()
-def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: int = 16) -> Dict[str, torch.Tensor]:
+def rollout(llm, cache, mask: torch.Tensor, pos: torch.Tensor, first: torch.Tensor, steps: int) -> torch.Tensor:
+    """Greedy LLM continuations from cut-off points of cached trajectories, all in one batch.
+
+    Args:
+        llm: the LLM (a transformers causal LM).
+        cache: a ``DynamicCache`` of C rows (the trajectories', rows repeated per candidate).
+        mask: int64 [C, S], 1 for the cached positions each candidate keeps (its prompt and
+            its trajectory up to the cut), 0 elsewhere.
+        pos: int64 [C], the position id of each candidate's first new token.
+        first: int64 [C], the first new token (the SLM's choice).
+        steps: W, tokens to write after ``first``.
+    Returns:
+        int64 [C, W]: the continuations.
+    """
+    out, x = [], first.view(-1, 1)
+    for j in range(steps):
+        mask = torch.cat([mask, torch.ones_like(x)], 1)
+        lg = llm(input_ids=x, attention_mask=mask, position_ids=(pos + j).view(-1, 1),
+                 past_key_values=cache, use_cache=True).logits
+        x = lg[:, -1].float().argmax(-1, keepdim=True)
+        out.append(x)
+    return torch.cat(out, 1)
+
+
+@torch.no_grad()
+def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: int = 16, *,
+            rollout_tokens: int = 0, rejoin_tokens: int = 4, rollout_batch: int = 32) -> Dict[str, torch.Tensor]:
     """Run the labelling passes (module docstring), ``batch`` prompts at a time (left padding).
 
     Returns:
         dict of ``hidden`` float32 [N, H], ``emb`` float32 [N, H] (embedding of
         the SLM's greedy token), ``top`` float32 [N, 100] (top-100 SLM logits),
-        ``diff`` float32 [N] (labels), ``prompt`` int64 [N] (prompt index).
+        ``diff`` float32 [N] (labels), ``critical`` float32 [N] (``diff`` whose
+        rollout does not re-join; equals ``diff`` when ``rollout_tokens`` is 0),
+        ``prompt`` int64 [N] (prompt index).
     """
     emb_w = slm.get_input_embeddings().weight
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
-    H, E, T, D, P = [], [], [], [], []
+    H, E, T, D, P, C = [], [], [], [], [], []
     encoded = []
     for p in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):
             ids = ids["input_ids"]
         encoded.append([int(i) for i in ids])
+    cands: List[Tuple[int, int, int, int, List[int]]] = []  # (row, t, SLM token, index in C, trajectory after t)
     for b0 in range(0, len(encoded), batch):
         chunk = encoded[b0:b0 + batch]
         L = max(len(c) for c in chunk)
@@ -119,9 +199,14 @@ def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: i
         gen = seq[:, L:]
         full_mask = torch.cat([mask, torch.ones_like(gen)], 1)
         pos_ids = (full_mask.cumsum(-1) - 1).clamp_min(0)
-        o_s = slm(seq, attention_mask=full_mask, position_ids=pos_ids, output_hidden_states=True)
+        o_s = slm(seq, attention_mask=full_mask, position_ids=pos_ids, output_hidden_states=True,
+                  use_cache=rollout_tokens > 0 and llm is slm)
         lg_s_all = o_s.logits.float()
-        lg_l_all = lg_s_all if llm is slm else llm(seq, attention_mask=full_mask, position_ids=pos_ids).logits.float()
+        if llm is slm:  # the demo pair: one model, which also rolls out
+            lg_l_all, cache = lg_s_all, o_s.past_key_values
+        else:
+            o_l = llm(seq, attention_mask=full_mask, position_ids=pos_ids, use_cache=rollout_tokens > 0)
+            lg_l_all, cache = o_l.logits.float(), o_l.past_key_values
         lg_q_all = lg_s_all if label_slm is slm else label_slm(
             seq, attention_mask=full_mask, position_ids=pos_ids).logits.float()
         for r in range(len(chunk)):
@@ -136,11 +221,34 @@ def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: i
             H.append(o_s.hidden_states[-1][r, pos].float())
             E.append(emb_w[s_tok].float())
             T.append(torch.topk(lg_s, 100, dim=-1).values)
-            D.append((lg_q_all[r, pos].argmax(-1) != lg_l_all[r, pos].argmax(-1)).float())
+            q_tok = lg_q_all[r, pos].argmax(-1)
+            d = (q_tok != lg_l_all[r, pos].argmax(-1)).float()
+            D.append(d)
             P.append(torch.full((g,), b0 + r, dtype=torch.int64))
-        print(f"  labelled {min(b0 + batch, len(encoded))}/{len(encoded)} prompts", flush=True)
+            C.append(d.clone())
+            if rollout_tokens:
+                for t in d.nonzero().view(-1).tolist():
+                    cands.append((r, t, int(q_tok[t]), len(C) - 1, gen[r, t + 1:g].tolist()))
+        if rollout_tokens and cands:
+            for c0 in range(0, len(cands), rollout_batch):
+                part = cands[c0:c0 + rollout_batch]
+                rows = torch.tensor([r for r, *_ in part])
+                sub = select_rows(cache, rows)
+                m = full_mask[rows].clone()
+                for i, (_r, t, *_rest) in enumerate(part):
+                    m[i, L + t:] = 0  # keep the prompt and the trajectory before position t
+                p0 = torch.tensor([int(pos_ids[r, L + t]) for r, t, *_ in part])
+                cont = rollout(llm, sub, m, p0, torch.tensor([x for _r, _t, x, *_ in part]), rollout_tokens)
+                for i, (_r, t, _x, ci, orig) in enumerate(part):
+                    if rejoins(cont[i].tolist(), orig, stops, rejoin_tokens):
+                        C[ci][t] = 0.0
+            cands.clear()
+        n_d = int(sum(float(x.sum()) for x in D))
+        n_c = int(sum(float(x.sum()) for x in C))
+        print(f"  labelled {min(b0 + batch, len(encoded))}/{len(encoded)} prompts "
+              f"({n_d} divergences, {n_c} critical)", flush=True)
     return {"hidden": torch.cat(H), "emb": torch.cat(E), "top": torch.cat(T), "diff": torch.cat(D),
-            "prompt": torch.cat(P)}
+            "critical": torch.cat(C), "prompt": torch.cat(P)}
 
 
 def auc(score: torch.Tensor, y: torch.Tensor) -> float:
@@ -197,6 +305,23 @@ def train(kind: str, arch: Dict[str, int], x: torch.Tensor, y: torch.Tensor, tra
                    "val_pos_rate": float(yv.mean())}, pv
 
 
+#: LLM-token shares at which the validation split's thresholds are reported (operating points to sweep)
+SHARES = (0.05, 0.1, 0.2, 0.3, 0.5)
+
+
+def thresholds_at_shares(pv: torch.Tensor, defer_below: bool) -> Dict[str, float]:
+    """Thresholds that route a given share of the validation positions to the LLM.
+
+    Args:
+        pv: float32 [N], the router's validation probabilities.
+        defer_below: True when the rule defers on ``p < threshold`` (CITER), False on ``p >= threshold``.
+    Returns:
+        ``{"0.1": threshold, …}`` for each share of :data:`SHARES` (the ``q``-quantile of ``pv``, with
+        ``q = share`` or ``1 − share``).
+    """
+    return {str(r): float(torch.quantile(pv, r if defer_below else 1 - r)) for r in SHARES}
+
+
 def main(argv=None) -> int:
     """Command line entry point (see module docstring); returns the exit status."""
     wdir = os.environ.get("TOKENROUTER_WEIGHTS") or os.path.expanduser("~/.cache/tokenrouter/weights")
@@ -215,6 +340,11 @@ def main(argv=None) -> int:
                     "CPU has native bf16)")
     ap.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts of the files (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--rollout-tokens", type=int, default=16,
+                    help="W: LLM tokens written after the SLM's token at each divergence to tell critical from "
+                    "neutral ones (0: every divergence is critical)")
+    ap.add_argument("--rejoin-tokens", type=int, default=4,
+                    help="K: a rollout whose last K tokens re-join the trajectory marks a neutral divergence")
     ap.add_argument("--out", default=ROUTERS_DIR, help="output folder")
     ap.add_argument("--name", default="smollm2-135m", help="file suffix: <kind>_<name>.pt")
     ap.add_argument("--r2r-width", type=int, default=256, help="R2R MLP width (published: 1024)")
@@ -253,20 +383,27 @@ def main(argv=None) -> int:
     prompts = [p for path in a.prompts for p in load_prompts(path)]
     if a.max_prompts:
         prompts = prompts[: a.max_prompts]
-    data = collect(slm, llm, label_slm, tok, prompts, a.max_new_tokens)
+    if a.rollout_tokens < 0 or a.rejoin_tokens < 1:
+        ap.error("--rollout-tokens must be >= 0 and --rejoin-tokens >= 1")
+    data = collect(slm, llm, label_slm, tok, prompts, a.max_new_tokens, rollout_tokens=a.rollout_tokens,
+                   rejoin_tokens=a.rejoin_tokens)
     t_data = time.time() - t0
     n = len(data["diff"])
     print(f"labelled {n} positions from {len(prompts)} prompts in {t_data:.0f}s; "
-          f"label SLM: {label_desc}; disagreement rate {float(data['diff'].mean()):.3f}", flush=True)
+          f"label SLM: {label_desc}; disagreement rate {float(data['diff'].mean()):.3f}, critical rate "
+          f"{float(data['critical'].mean()):.3f}", flush=True)
     g = torch.Generator().manual_seed(a.seed)
     order = torch.randperm(len(prompts), generator=g)
     val_prompts = set(order[: max(1, len(prompts) // 5)].tolist())
     is_val = torch.tensor([int(p) in val_prompts for p in data["prompt"]])
     tr, va = (~is_val).nonzero().view(-1), is_val.nonzero().view(-1)
-    y = data["diff"]
+    y, y_crit = data["diff"], data["critical"]
     H = data["hidden"].shape[1]
     meta_common = {"slm": os.path.basename(a.slm.rstrip("/")), "llm": os.path.basename(llm_path.rstrip("/")),
                    "label_slm": label_desc, "label": "argmax(label SLM) != argmax(LLM) on LLM greedy trajectories",
+                   "critical": (f"diff whose {a.rollout_tokens}-token LLM rollout after the SLM's token does not "
+                                f"re-join the trajectory ({a.rejoin_tokens} tokens)") if a.rollout_tokens else "diff",
+                   "rates": {"diff": float(y.mean()), "critical": float(y_crit.mean())},
                    "prompts": [os.path.relpath(p, REPO_ROOT) if p.startswith(REPO_ROOT) else p for p in a.prompts],
                    "dtype": a.dtype,
                    "max_new_tokens": a.max_new_tokens, "positions": n, "seed": a.seed,
@@ -277,24 +414,26 @@ def main(argv=None) -> int:
     # R2R: [h, e, top-100] -> critical
     arch = {"in_dim": 2 * H + 100, "width": a.r2r_width, "depth": a.r2r_depth, "hidden_size": H, "topk": 100}
     x = torch.cat([data["hidden"], data["emb"], data["top"]], 1)
-    m, met, pv = train("r2r", arch, x, y, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=True, seed=a.seed)
-    pos_scores = pv[y[va] > 0.5].sort().values
+    m, met, pv = train("r2r", arch, x, y_crit, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=True, seed=a.seed)
+    pos_scores = pv[y_crit[va] > 0.5].sort().values
     k = int((1 - a.r2r_recall) * len(pos_scores))
     thr = float(pos_scores[k]) if len(pos_scores) else 0.5
     met.update({"threshold": thr, "recall_target": a.r2r_recall,
                 "val_recall": float((pos_scores >= thr).float().mean()) if len(pos_scores) else float("nan"),
-                "val_routed_rate": float((pv >= thr).float().mean())})
+                "val_routed_rate": float((pv >= thr).float().mean()),
+                "threshold_at_share": thresholds_at_shares(pv, defer_below=False)})
     f = os.path.join(a.out, f"r2r_{a.name}.pt")
-    save_router(f, "r2r", arch, m, thr, {**meta_common, "target": "diff", "metrics": met})
+    save_router(f, "r2r", arch, m, thr, {**meta_common, "target": "critical", "metrics": met})
     summary["r2r"] = (f, met)
 
     # CITER: h -> acceptable (1 - diff)
     arch = {"in_dim": H, "width": a.citer_width, "depth": a.citer_depth, "hidden_size": H}
-    m, met, pv = train("citer", arch, data["hidden"], 1 - y, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=False,
+    m, met, pv = train("citer", arch, data["hidden"], 1 - y_crit, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=False,
                        seed=a.seed)
     met.update({f"val_routed_rate_tau_{t}": float((pv < t).float().mean()) for t in (0.98, 0.9, 0.8)})
+    met["tau_at_share"] = thresholds_at_shares(pv, defer_below=True)
     f = os.path.join(a.out, f"citer_{a.name}.pt")
-    save_router(f, "citer", arch, m, None, {**meta_common, "target": "1 - diff", "metrics": met})
+    save_router(f, "citer", arch, m, None, {**meta_common, "target": "1 - critical", "metrics": met})
     summary["citer"] = (f, met)
 
     # Co-LLM: h -> defer (diff), linear head
@@ -302,6 +441,7 @@ def main(argv=None) -> int:
     m, met, pv = train("colm", arch, data["hidden"], y, tr, va, epochs=a.epochs, lr=3e-3, pos_weight=False,
                        seed=a.seed)
     met.update({f"val_routed_rate_eta_{t}": float((pv > t).float().mean()) for t in (0.15, 0.3, 0.5)})
+    met["eta_at_share"] = thresholds_at_shares(pv, defer_below=False)
     f = os.path.join(a.out, f"colm_{a.name}.pt")
     save_router(f, "colm", arch, m, None, {**meta_common, "target": "diff", "metrics": met})
     summary["colm"] = (f, met)

@@ -1,0 +1,68 @@
+"""Router training (tokenrouter.tools.train_routers): the critical/neutral rule and a tiny run.
+
+The tiny run trains on the demo pair (SmolLM2-135M; the labelling SLM is its fake-quantised copy)
+with five prompts, so that every step of the recipe runs: LLM trajectories, teacher-forced
+features, rollouts at the divergences, the three routers, their files and the ``router=auto`` lookup.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tokenrouter.algorithms.learned import find_router, load_router
+from tokenrouter.tools import train_routers as tr
+
+STOP = 0
+
+
+@pytest.mark.parametrize("cont, orig, neutral", [
+    ([5, 6, 7, 8], [9, 5, 6, 7, 8, 10], True),          # re-joins one token later
+    ([5, 6, 7, 8], [5, 6, 7, 8], True),                  # the same text
+    ([5, 6, 7, 8], [1, 2, 3, 4, 9, 9, 5, 6, 7, 8], False),  # the trajectory's text, but too far ahead
+    ([5, 6, 7, 9], [5, 6, 7, 8, 9], False),              # never the same last K tokens
+    ([5, 6, STOP, 1], [4, 5, 6, STOP], True),            # both end, with the same ending
+    ([5, 6, STOP], [5, 6, 7, 8, 9, 10], False),          # the rollout ends, the trajectory goes on
+    ([5, 6, 7, 8], [5, 6, STOP], False),                 # the trajectory ends, the rollout goes on
+    ([5, 6], [5, 6, 7], False),                          # shorter than K: cannot re-join
+])
+def test_rejoins(cont, orig, neutral):
+    assert tr.rejoins(cont, orig, {STOP}, 4) is neutral
+
+
+def test_thresholds_at_shares_route_that_share():
+    pv = torch.linspace(0, 1, 1001)
+    above = tr.thresholds_at_shares(pv, defer_below=False)
+    below = tr.thresholds_at_shares(pv, defer_below=True)
+    for share in tr.SHARES:
+        assert abs(float((pv >= above[str(share)]).float().mean()) - share) < 0.01
+        assert abs(float((pv < below[str(share)]).float().mean()) - share) < 0.01
+
+
+def test_tiny_training_run_writes_routers_that_auto_finds(tmp_path, monkeypatch):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in (
+        "Write a Python function that reverses a string.", "Name three colours.",
+        "Write a haiku about rain.", "What is 17 times 3?", "Explain what a list is in Python.")))
+    out = tmp_path / "routers"
+    rc = tr.main(["--prompts", str(prompts), "--max-new-tokens", "12", "--rollout-tokens", "4",
+                  "--rejoin-tokens", "2", "--epochs", "2", "--r2r-width", "16", "--r2r-depth", "2",
+                  "--citer-width", "16", "--out", str(out), "--name", "tiny", "--threads", "2"])
+    assert rc == 0
+    files = {k: out / f"{k}_tiny.pt" for k in ("r2r", "citer", "colm")}
+    assert all(f.is_file() for f in files.values())
+    r2r = load_router(str(files["r2r"]), "r2r")
+    rates = r2r.meta["rates"]
+    assert 0.0 <= rates["critical"] <= rates["diff"] <= 1.0
+    assert r2r.meta["target"] == "critical" and r2r.meta["slm"] == "smollm2-135m-instruct"
+    assert set(r2r.meta["metrics"]["threshold_at_share"]) == {str(s) for s in tr.SHARES}
+    assert load_router(str(files["citer"]), "citer").meta["target"] == "1 - critical"
+    assert load_router(str(files["colm"]), "colm").meta["target"] == "diff"
+    # router=auto picks the file trained for model 0's checkpoint, from the routers folder
+    monkeypatch.setattr("tokenrouter.algorithms.learned.ROUTERS_DIR", str(out))
+    assert find_router("r2r", os.path.join("weights", "smollm2-135m-instruct")) == str(files["r2r"])
+    with pytest.raises(ValueError, match="no shipped colm router was trained for model 0 'other-model'"):
+        find_router("colm", "other-model")
