@@ -443,12 +443,12 @@ class Subserver(OutputProcessorMixin):
         while not self._stop.is_set():
             timeout = self.strategy.wait_timeout(self)
             try:
-                item = self.inbox.get(timeout=timeout)
+                msg = self.inbox.get(timeout=timeout)
             except queue.Empty:
-                item = None
+                msg = None
             try:
-                if item is not None:
-                    self._handle(item)
+                if msg is not None:
+                    self._handle(msg)
                     while True:
                         try:
                             self._handle(self.inbox.get_nowait())

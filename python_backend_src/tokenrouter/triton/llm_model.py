@@ -89,6 +89,7 @@ from ..proc import process_start_time, server_pid
 from ..routing.peer import PeerServer, dead_routers, remove_advert, write_advert
 from ..protocol import PeerReq
 from . import model_control
+from .messages import CloseIO, ErrorReply, TokensReply
 from .common import model_parameters
 from .settings import LLMSettings
 
@@ -210,7 +211,7 @@ class TritonPythonModel:
         """The subserver (admission and the decode loop) and the queue of the Triton I/O thread."""
         self._closing = threading.Event()
         # the Triton I/O thread: the only thread that sends responses and publishes metrics
-        self._io_q: "queue.Queue" = queue.Queue()
+        self._io_q: "queue.Queue" = queue.Queue()  # TokensReply, ErrorReply, CloseIO (triton.messages)
         self.subserver = Subserver(self.engine, self.name, self._sched, event_sink=self._on_event,
                                    on_idle=self._refresh_metrics_idle, configure_algorithm=configure_algorithm)
 
@@ -309,27 +310,26 @@ class TritonPythonModel:
 
         The only thread of this stub that sends Triton responses or updates metrics
         (``execute`` only reads its requests), so no two threads call into the Python
-        backend's response or metrics API at once.  Items: ``(sender, tokens, event,
-        flags, error)``; ``None`` ends the loop once the queue is empty.
+        backend's response or metrics API at once.  Messages (:mod:`tokenrouter.triton.messages`):
+        :class:`TokensReply`, :class:`ErrorReply`; :class:`CloseIO` ends the loop.
         """
         published, next_pub = None, 0.0
         while True:
             try:
-                item = self._io_q.get(timeout=METRICS_INTERVAL_S)
+                msg = self._io_q.get(timeout=METRICS_INTERVAL_S)
             except queue.Empty:
-                item = ()
-            if item is None:
-                break
-            if item:
-                sender, tokens, event, flags, error = item
-                try:
-                    if error is not None:
-                        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(error)),
-                                    flags=flags)
-                    else:
-                        sender.send(self._response(tokens, event), flags=flags)
-                except Exception:  # noqa: BLE001 - e.g. the caller has gone
-                    logger.debug("model %s: response not delivered", self.name, exc_info=True)
+                msg = None
+            try:
+                match msg:
+                    case CloseIO():
+                        break
+                    case TokensReply(sender=sender, tokens=tokens, event=event, final=final):
+                        sender.send(self._response(tokens, event), flags=_FINAL if final else 0)
+                    case ErrorReply(sender=sender, message=message):
+                        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
+                                    flags=_FINAL)
+            except Exception:  # noqa: BLE001 - e.g. the caller has gone
+                logger.debug("model %s: response not delivered", self.name, exc_info=True)
             now = time.monotonic()
             if now >= next_pub and self._metrics_dirty.is_set():
                 self._metrics_dirty.clear()
@@ -339,11 +339,11 @@ class TritonPythonModel:
 
     def _send(self, sender, tokens: List[int], event: Dict[str, Any], final: bool = True) -> None:
         """Queue one response for the I/O thread (any thread)."""
-        self._io_q.put((sender, list(tokens), event, _FINAL if final else 0, None))
+        self._io_q.put(TokensReply(sender, list(tokens), event, final))
 
     def _send_error(self, sender, message: str) -> None:
         """Queue a final error response for the I/O thread (any thread)."""
-        self._io_q.put((sender, [], None, _FINAL, message))
+        self._io_q.put(ErrorReply(sender, message))
 
     def _configure(self, cfg: Dict[str, Any]) -> None:
         """Apply a ``configure`` op: the same keys as the config parameters
@@ -609,7 +609,7 @@ class TritonPythonModel:
         self._closing.set()
         self.peer_server.close()
         self.subserver.stop()
-        self._io_q.put(None)  # the I/O thread sends what is queued (the loop's last answers), then ends
+        self._io_q.put(CloseIO())  # the I/O thread sends what is queued (the loop's last answers), then ends
         self._io_thread.join(timeout=5)
         # free the metric families now, while the stub's shared memory is alive: left to the
         # interpreter's final garbage collection, their destructors crash the stub on exit

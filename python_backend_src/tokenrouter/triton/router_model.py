@@ -102,7 +102,8 @@ import queue
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, replace
 from typing import Any, Dict, List, Optional
 
@@ -119,6 +120,8 @@ from ..protocol import FinishReason
 from ..routing.router_core import drive, encode_prompt, make_header, stop_token_ids
 from . import model_control
 from .common import model_parameters
+from .messages import (BusyCount, BusyReply, EndpointQuery, ErrorReply, FinalOutputs, IOCall, RequestMetrics,
+                       TextChunk)
 from .metrics import RouterMetrics, observe_request
 from .settings import RequestLimits, RouterSettings
 from .transport import TritonTransport
@@ -334,7 +337,7 @@ class TritonPythonModel:
                                        thread_name_prefix="router")
         self._closing = threading.Event()
         # the client I/O loop: the only thread that sends responses and checks cancellation
-        self._out: "queue.Queue[tuple]" = queue.Queue()
+        self._out: "queue.Queue" = queue.Queue()  # tokenrouter.triton.messages
         self._active: Dict[str, _Job] = {}
         self._active_lock = threading.Lock()
         self._running = 0  # jobs a worker is driving (the rest of _active wait for one)
@@ -414,7 +417,7 @@ class TritonPythonModel:
 
         name = str(self.model_config.get("name", "token_router"))
         self.online = OnlineBStar(settings, self.models, name, self.peers, live,
-                                  lambda fn: self._out.put((None, "call", fn)),
+                                  lambda fn: self._out.put(IOCall(fn)),
                                   metrics=OnlineMetrics(pb_utils, name, self.models))
 
     def _io_metrics(self, payload) -> None:
@@ -515,24 +518,24 @@ class TritonPythonModel:
             arrival = time.monotonic()
             refusal = self.failure.refusal()
             if refusal:
-                self._out.put((None, "metrics", "refused"))
-                self._out.put((request.get_response_sender(), "error", refusal))
+                self._out.put(RequestMetrics("refused"))
+                self._out.put(ErrorReply(request.get_response_sender(), refusal))
                 continue
             busy = self._queue_full()
             if busy:
-                self._out.put((None, "busy", "queue_full"))
-                self._out.put((request.get_response_sender(), "busy", busy))
+                self._out.put(BusyCount("queue_full"))
+                self._out.put(BusyReply(request.get_response_sender(), busy))
                 continue
             try:
                 job = self._parse(request)
             except ClientError as e:
-                self._out.put((None, "metrics", "invalid"))
-                self._out.put((request.get_response_sender(), "error", str(e)))
+                self._out.put(RequestMetrics("invalid"))
+                self._out.put(ErrorReply(request.get_response_sender(), str(e)))
                 continue
             except Exception as e:  # noqa: BLE001
                 logger.exception("router: bad request")
-                self._out.put((None, "metrics", "invalid"))
-                self._out.put((request.get_response_sender(), "error", f"invalid request: {e}"))
+                self._out.put(RequestMetrics("invalid"))
+                self._out.put(ErrorReply(request.get_response_sender(), f"invalid request: {e}"))
                 continue
             job.arrival_t = arrival
             job.queue_deadline = self._queue_deadline(request, arrival)
@@ -579,11 +582,11 @@ class TritonPythonModel:
                     expired.append(job)
         for job in expired:
             self._io_busy("queue_timeout")
-            self._send(job, "busy", f"{BUSY_PREFIX}token_router: the request waited "
-                                    f"{now - job.arrival_t:.1f} s for a worker (all "
-                                    f"{self.pool._max_workers} busy); its queue timeout is "
-                                    f"{job.queue_deadline - job.arrival_t:g} s (queue_timeout_s, or "
-                                    f"the request's timeout); retry later")
+            self._out.put(BusyReply(job.sender, f"{BUSY_PREFIX}token_router: the request waited "
+                                                f"{now - job.arrival_t:.1f} s for a worker (all "
+                                                f"{self.pool._max_workers} busy); its queue timeout is "
+                                                f"{job.queue_deadline - job.arrival_t:g} s (queue_timeout_s, "
+                                                f"or the request's timeout); retry later"))
 
     # ------------------------------------------------------- model endpoints
     def _discover_endpoint(self, model: str) -> str:
@@ -610,18 +613,19 @@ class TritonPythonModel:
         adv = read_advert(model)
         if adv is not None:
             return adv
-        done, box = threading.Event(), {}
-        self._out.put((None, "discover", (model, box, done)))
-        if not done.wait(120):
-            raise RuntimeError(f"model {model}: no answer to the endpoint query")
-        if "error" in box:
+        answer: "Future[Dict[str, Any]]" = Future()
+        self._out.put(EndpointQuery(model, answer))
+        try:
+            return answer.result(timeout=120)
+        except FutureTimeout:
+            raise RuntimeError(f"model {model}: no answer to the endpoint query") from None
+        except Exception as e:  # noqa: BLE001 - the BLS call's error
             stale = read_advert(model, alive_only=False)
             if stale is not None and read_advert(model) is None:
                 reason = f"model {model} is down: its process (pid {stale.get('pid')}) exited"
                 self.peers.mark_down(model, reason)
-                raise PeerDownError(model, reason)
-            raise RuntimeError(box["error"])
-        return box["endpoint"]
+                raise PeerDownError(model, reason) from None
+            raise RuntimeError(str(e)) from None
 
     def _discover_process(self, model: str) -> Dict[str, Any]:
         """The stub process of ``model`` (``transport: triton``: for the liveness watch).
@@ -655,39 +659,26 @@ class TritonPythonModel:
         next_sweep = 0.0
         while not (self._io_done.is_set() and self._out.empty()):
             try:
-                sender, kind, payload = self._out.get(timeout=CANCEL_CHECK_INTERVAL_S)
+                msg = self._out.get(timeout=CANCEL_CHECK_INTERVAL_S)
             except queue.Empty:
-                sender, kind = None, None
-            if kind == "discover":
-                model, box, done = payload
-                try:
-                    box["endpoint"] = self._bls_endpoint(model)
-                except Exception as e:  # noqa: BLE001
-                    box["error"] = str(e)
-                done.set()
-            elif kind == "metrics":
-                self._io_metrics(payload)
-            elif kind == "busy" and sender is None:
-                self._io_busy(payload)
-            elif kind == "call":  # work that must run on this thread (metrics, restart kicks)
-                try:
-                    payload()
-                except Exception:  # noqa: BLE001
-                    logger.debug("router: I/O-thread call failed", exc_info=True)
-            elif sender is not None:
-                try:
-                    if kind == "chunk":
-                        sender.send(self._chunk(payload))
-                    elif kind == "final":
-                        sender.send(pb_utils.InferenceResponse(output_tensors=[
-                            pb_utils.Tensor(k, v) for k, v in payload.items()]), flags=_FINAL)
-                    elif kind == "busy":  # UNAVAILABLE (Triton 2.51's HTTP generate still answers 400)
-                        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                            payload, pb_utils.TritonError.UNAVAILABLE)), flags=_FINAL)
-                    else:
-                        sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(payload)), flags=_FINAL)
-                except Exception:  # noqa: BLE001 - e.g. the client has gone
-                    logger.debug("router: response not delivered", exc_info=True)
+                msg = None
+            match msg:
+                case EndpointQuery(model=model, answer=answer):
+                    try:
+                        answer.set_result(self._bls_endpoint(model))
+                    except Exception as e:  # noqa: BLE001
+                        answer.set_exception(e)
+                case RequestMetrics(observed=observed):
+                    self._io_metrics(observed)
+                case BusyCount(reason=reason):
+                    self._io_busy(reason)
+                case IOCall(fn=fn):  # work that must run on this thread (metrics, restart kicks)
+                    try:
+                        fn()
+                    except Exception:  # noqa: BLE001
+                        logger.debug("router: I/O-thread call failed", exc_info=True)
+                case TextChunk() | FinalOutputs() | BusyReply() | ErrorReply():
+                    self._io_reply(msg)
             now = time.monotonic()
             if now >= next_sweep:
                 next_sweep = now + CANCEL_CHECK_INTERVAL_S
@@ -710,8 +701,23 @@ class TritonPythonModel:
                 if asked and mark:
                     self._fence.fence_passed(mark)
 
-    def _send(self, job: _Job, kind: str, payload: Any) -> None:
-        self._out.put((job.sender, kind, payload))
+    def _io_reply(self, msg) -> None:
+        """Send one response to a client (client I/O thread only)."""
+        try:
+            match msg:
+                case TextChunk(sender=sender, text=text):
+                    sender.send(self._chunk(text))
+                case FinalOutputs(sender=sender, outputs=outputs):
+                    sender.send(pb_utils.InferenceResponse(output_tensors=[
+                        pb_utils.Tensor(k, v) for k, v in outputs.items()]), flags=_FINAL)
+                case BusyReply(sender=sender, message=message):
+                    # UNAVAILABLE (Triton 2.51's HTTP generate still answers 400)
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        message, pb_utils.TritonError.UNAVAILABLE)), flags=_FINAL)
+                case ErrorReply(sender=sender, message=message):
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=_FINAL)
+        except Exception:  # noqa: BLE001 - e.g. the client has gone
+            logger.debug("router: response not delivered", exc_info=True)
 
     # --------------------------------------------------------------- request
     def _run_guarded(self, job: _Job) -> None:
@@ -724,16 +730,16 @@ class TritonPythonModel:
             self._run(job)
         except PeerDownError as e:  # a model died: this client gets the reason, naming the model
             logger.error("router: request %s failed: %s", job.rid, e)
-            self._out.put((None, "metrics", "error"))
-            self._send(job, "error", self.failure.describe(e))
+            self._out.put(RequestMetrics("error"))
+            self._out.put(ErrorReply(job.sender, self.failure.describe(e)))
         except Exception as e:  # noqa: BLE001 - error to this client only
             if str(e).startswith(BUSY_PREFIX):  # a model's KV queue was full or its wait ran out
-                self._out.put((None, "busy", "queue_timeout" if "queue timeout" in str(e) else "queue_full"))
-                self._send(job, "busy", str(e))
+                self._out.put(BusyCount("queue_timeout" if "queue timeout" in str(e) else "queue_full"))
+                self._out.put(BusyReply(job.sender, str(e)))
                 return
             logger.exception("router: request %s failed", job.rid)
-            self._out.put((None, "metrics", "error"))
-            self._send(job, "error", str(e))
+            self._out.put(RequestMetrics("error"))
+            self._out.put(ErrorReply(job.sender, str(e)))
         finally:
             with self._active_lock:
                 self._active.pop(job.rid, None)
@@ -751,12 +757,12 @@ class TritonPythonModel:
         if fallback:
             header.down_models = sorted(self.peers.down())
         r = drive(self.peers, header, job.prompt_ids, first, detok,
-                  on_delta=(lambda d: self._send(job, "chunk", d)) if job.stream else None,
+                  on_delta=(lambda d: self._out.put(TextChunk(job.sender, d))) if job.stream else None,
                   cancelled=lambda: job.cancelled or self._closing.is_set(), fallback=fallback)
         if r.finish == FinishReason.CANCELLED.value:
-            self._out.put((None, "metrics", "cancelled"))
-            self._send(job, "error", "server is shutting down" if self._closing.is_set() and not job.cancelled
-                       else "request cancelled")
+            self._out.put(RequestMetrics("cancelled"))
+            self._out.put(ErrorReply(job.sender, "server is shutting down"
+                                     if self._closing.is_set() and not job.cancelled else "request cancelled"))
             return
         tail = detok.flush()
         summary = {"algorithm": self.algorithm, "params": job.params,
@@ -792,9 +798,9 @@ class TritonPythonModel:
             tr = json.dumps(trace)
             outputs["routing_trace"] = np.asarray([tr.encode()], dtype=np.object_)
         # metrics first: a client that has its answer finds them published
-        self._out.put((None, "metrics", observe_request(job.arrival_t, time.monotonic(), r, self.models,
-                                                         job.worker_start_t)))
-        self._send(job, "final", outputs)
+        self._out.put(RequestMetrics(observe_request(job.arrival_t, time.monotonic(), r, self.models,
+                                                     job.worker_start_t)))
+        self._out.put(FinalOutputs(job.sender, outputs))
 
     @staticmethod
     def _apply_output_switches(job: _Job, r, outputs: Dict[str, Any]) -> None:
@@ -909,7 +915,7 @@ class _PeerFailure:
 
     def _on_io(self, fn) -> None:
         """Run ``fn`` on the client I/O thread (the only thread that calls into the backend)."""
-        self.router._out.put((None, "call", fn))
+        self.router._out.put(IOCall(fn))
 
     def count_degraded(self) -> None:
         """Count one request that finished degraded."""
