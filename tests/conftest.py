@@ -50,10 +50,11 @@ def triton_server(tmp_path_factory):
 # ------------------------------------------------------------------ markers and timings
 # `server`: the test starts a tritonserver; `slow`: it runs for seconds without one (long
 # simulations, or an SGLang engine in the test process).  Found from the source of the test and
-# of its fixtures (a TritonServer or an SGLangEngine built there), so a new test is marked
-# without anyone remembering to; the other cases are marked by hand (a subprocess that starts a
-# server, a long simulation).  `tests/run --quick` runs the rest: -m "not server and not slow".
-_BUILDS = {"server": "TritonServer(", "slow": "SGLangEngine("}
+# of its fixtures (a TritonServer or an SGLangEngine built there, or a server started with
+# tr_server.running_server), so a new test is marked without anyone remembering to; the other cases
+# are marked by hand (a subprocess that starts a server, a long simulation).  `tests/run --quick`
+# runs the rest: -m "not server and not slow".
+_BUILDS = {"server": ("TritonServer(", "running_server("), "slow": ("SGLangEngine(",)}
 
 
 def _source(fn) -> str:
@@ -65,22 +66,22 @@ def _source(fn) -> str:
         return ""
 
 
-def _builds(item, call: str) -> bool:
-    """True when the test or one of its fixtures calls ``call`` (e.g. ``TritonServer(``)."""
-    if call in _source(getattr(item, "function", None)):
+def _builds(item, calls) -> bool:
+    """True when the test or one of its fixtures makes one of ``calls`` (e.g. ``TritonServer(``)."""
+    if any(c in _source(getattr(item, "function", None)) for c in calls):
         return True
     info = getattr(item, "_fixtureinfo", None)
     for name in getattr(item, "fixturenames", ()):
         for fd in (info.name2fixturedefs.get(name, ()) if info is not None else ()):
-            if call in _source(fd.func):
+            if any(c in _source(fd.func) for c in calls):
                 return True
     return False
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        for marker, call in _BUILDS.items():
-            if item.get_closest_marker(marker) is None and _builds(item, call):
+        for marker, calls in _BUILDS.items():
+            if item.get_closest_marker(marker) is None and _builds(item, calls):
                 item.add_marker(getattr(pytest.mark, marker))
 
 

@@ -31,7 +31,7 @@ import tritonclient.grpc as grpcclient
 
 from tokenrouter.tools import admin
 from tr_client import router_inputs, wait_kv_released
-from tritonserver import TritonServer
+from tr_server import is_stub, python_stubs, running_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: seconds within which a killed model must be back (a reload is one model initialisation: ~10 s on an idle
@@ -41,26 +41,6 @@ RECOVERY_S = float(os.environ.get("TOKENROUTER_TEST_RECOVERY_S", "300"))
 ALL_LLM = {"max_tokens": 200, "temperature": 0, "ignore_eos": True, "routing_threshold": 0.0}
 
 
-def _stubs(server):
-    """{instance name: (pid, shm region name)} of the Python stubs whose parent is ``server``."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
-            stat = Path(f"/proc/{d}/stat").read_bytes()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if not argv[0].endswith(b"triton_python_backend_stub") or len(argv) < 9 or fields[0] == b"Z":
-            continue
-        if int(fields[1]) != server.process.pid:
-            continue
-        out[argv[8].decode()] = (int(d), argv[2].decode())
-    return out
-
-
 class _Seen:
     """Everything of the server that must be gone after it stops: stub pids, shm regions."""
 
@@ -68,15 +48,13 @@ class _Seen:
         self.pids, self.regions = set(), {}  # regions: {name: stub instance}
 
     def note(self, server):
-        for instance, (pid, region) in _stubs(server).items():
-            self.pids.add(pid)
-            self.regions[region] = instance
+        for instance, stub in python_stubs(server).items():
+            self.pids.add(stub.pid)
+            self.regions[stub.region] = instance
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not os.environ.get("TRITON_BACKEND_DIR"):
-        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
     work = tmp_path_factory.mktemp("failure")
     fb = work / "token_router_fallback"
     fb.mkdir()
@@ -86,18 +64,11 @@ def server(tmp_path_factory):
     cfg = re.sub(r'parameters \{ key: "on_peer_failure"[^\n]*\n', "", cfg)
     cfg += '\nparameters { key: "on_peer_failure" value { string_value: "fallback" } }\n'
     (fb / "config.pbtxt").write_text(cfg)
-    s = TritonServer(REPO_ROOT / "model_repository", models={"token_router_fallback": fb}, copy=True,
-                     ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
-                     log_path=work / "tritonserver.log",
-                     extra_args=["--model-control-mode=explicit", "--load-model=*"])
-    s.start()
-    s.seen = _Seen()
-    s.seen.note(s)
-    try:
+    with running_server(REPO_ROOT / "model_repository", work, models={"token_router_fallback": fb}, copy=True,
+                        extra_args=["--model-control-mode=explicit", "--load-model=*"]) as s:
+        s.seen = _Seen()
+        s.seen.note(s)
         yield s
-    finally:
-        s.stop()
-        print(f"\ntritonserver log: {s.log_path}")
 
 
 class _Stream:
@@ -160,9 +131,9 @@ def _generate(server, model: str, sampling, prompt: str = "What is the capital o
 
 def _kill(server, instance: str) -> int:
     server.seen.note(server)
-    stubs = _stubs(server)
+    stubs = python_stubs(server)
     assert instance in stubs, f"no stub {instance} of this server: {sorted(stubs)}"
-    pid = stubs[instance][0]
+    pid = stubs[instance].pid
     os.kill(pid, signal.SIGKILL)
     return pid
 
@@ -322,9 +293,7 @@ def test_sigterm_under_load(server):
     assert late["_status"] != 200, late
     server.process.wait(120)
     # nothing of this server is left behind
-    alive = [p for p in server.seen.pids if Path(f"/proc/{p}").exists()
-             and Path(f"/proc/{p}/cmdline").read_bytes().startswith(b"/") and
-             b"triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    alive = [p for p in server.seen.pids if is_stub(p)]
     assert not alive, f"stub processes left: {alive}"
     # a killed stub's region is removed by its reaper, which polls once a second for the server's exit
     deadline = time.monotonic() + 10

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import os
 import re
 import threading
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 import requests
 
 from tr_client import grpc_stream, wait_kv_released
-from tritonserver import TritonServer
+from tr_server import python_stubs, rss_bytes, running_server, start_openai_frontend, stop_openai_frontend
 
 pytestmark = pytest.mark.server
 
@@ -56,34 +55,14 @@ def server(tmp_path_factory):
     model = {"kv_pool_tokens": KV_POOL, "max_queued_requests": MODEL_QUEUE, "queue_timeout_s": QUEUE_TIMEOUT_S}
     repo = make_variant(str(REPO_ROOT / "model_repository"), str(work / "repo"), model_params={
         "slm": model, "llm": model, "token_router": {"queue_timeout_s": QUEUE_TIMEOUT_S}})
-    s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
-                     log_path=work / "tritonserver.log")
-    s.start()
-    try:
+    with running_server(repo, work) as s:
         yield s
-    finally:
-        s.stop()
 
 
 def _stub_rss(server) -> dict:
     """{model instance: VmRSS in bytes} of the Python stubs of ``server``."""
-    out = {}
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
-            status = Path(f"/proc/{d}/status").read_text()
-        except OSError:
-            continue
-        if not argv[0].endswith(b"triton_python_backend_stub") or len(argv) < 9:
-            continue
-        if int(re.search(r"^PPid:\s+(\d+)", status, re.M).group(1)) != server.process.pid:
-            continue
-        m = re.search(r"^VmRSS:\s+(\d+) kB", status, re.M)
-        if m:
-            out[argv[8].decode()] = int(m.group(1)) * 1024
-    return out
+    rss = {instance: rss_bytes(stub.pid) for instance, stub in python_stubs(server).items()}
+    return {instance: r for instance, r in rss.items() if r is not None}
 
 
 class _Healthy:
@@ -200,18 +179,12 @@ def test_flood_is_answered_with_results_or_busy(server):
 # ------------------------------------------------------------------ OpenAI front end
 @pytest.fixture(scope="module")
 def frontend(server, tmp_path_factory):
-    from test_openai import _start_frontend, _stop
-
-    proc, base = _start_frontend(server, tmp_path_factory.mktemp("openai_limits") / "frontend.log",
-                                 "--max-body-bytes", str(1024 * 1024), "--max-messages", "64")
+    proc, base = start_openai_frontend(server, tmp_path_factory.mktemp("openai_limits") / "frontend.log",
+                                       "--max-body-bytes", str(1024 * 1024), "--max-messages", "64")
     try:
         yield base, proc
     finally:
-        _stop(proc)
-
-
-def _proc_rss(pid: int) -> int:
-    return int(re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M).group(1)) * 1024
+        stop_openai_frontend(proc)
 
 
 def _openai_error(status: int, body: bytes) -> dict:
@@ -224,7 +197,7 @@ def test_openai_frontend_refuses_oversized_bodies_before_reading_them(server, fr
     base, proc = frontend
     host, port = base.removeprefix("http://").split(":")
     healthy = _Healthy(server)
-    before, fe_before = _stub_rss(server), _proc_rss(proc.pid)
+    before, fe_before = _stub_rss(server), rss_bytes(proc.pid)
 
     # a Content-Length over the limit: answered before the body is sent (only 1 KiB of it is)
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -266,7 +239,7 @@ def test_openai_frontend_refuses_oversized_bodies_before_reading_them(server, fr
     assert r.status_code == 400 and err["param"] == "prompt" and "(max_input_bytes)" in err["message"], err
 
     _assert_rss_flat(before, _stub_rss(server))
-    assert _proc_rss(proc.pid) - fe_before < RSS_MARGIN, (fe_before, _proc_rss(proc.pid))
+    assert rss_bytes(proc.pid) - fe_before < RSS_MARGIN, (fe_before, rss_bytes(proc.pid))
     healthy.check()
 
 

@@ -30,7 +30,7 @@ from tokenrouter.routing.peer import PeerClient
 from tokenrouter.tools import admin
 from tokenrouter.tools.repository import read_config, write_config
 from tr_client import generate, metric_values, wait_kv_released
-from tritonserver import TritonServer
+from tr_server import running_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ROUTER = "token_router_online"
@@ -55,22 +55,13 @@ def _router_dir(work: Path, name: str, params: dict) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not os.environ.get("TRITON_BACKEND_DIR"):
-        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
     work = tmp_path_factory.mktemp("online")
     online = _router_dir(work, ROUTER, {"online_adaptation": "true", "online_interval_s": "1",
                                         "online_window_s": "20", "online_fixed_thresholds": '{"slm": 1}'})
-    s = TritonServer(REPO_ROOT / "model_repository", models={ROUTER: online}, copy=True,
-                     ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
-                     log_path=work / "tritonserver.log",
-                     extra_args=["--model-control-mode=explicit", "--load-model=*"])
-    s.start()
-    s.work = work
-    try:
+    with running_server(REPO_ROOT / "model_repository", work, models={ROUTER: online}, copy=True,
+                        extra_args=["--model-control-mode=explicit", "--load-model=*"]) as s:
+        s.work = work
         yield s
-    finally:
-        s.stop()
-        print(f"\ntritonserver log: {s.log_path}")
 
 
 def _zmq_client(server) -> PeerClient:

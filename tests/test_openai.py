@@ -12,8 +12,6 @@ import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,7 +19,7 @@ import urllib.request
 import pytest
 
 from tr_client import generate, model_stats, wait_kv_released
-from tritonserver import free_ports
+from tr_server import start_openai_frontend, stop_openai_frontend
 
 openai = pytest.importorskip("openai")
 
@@ -29,49 +27,14 @@ MODEL = "token_router"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def _start_frontend(triton_server, log, *extra: str):
-    """Start ``python -m tokenrouter.tools.openai_frontend`` on a free port; return (process, base URL)
-    once it is healthy."""
-    port = free_ports(1)[0]
-    with open(log, "wb") as fh:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenrouter.tools.openai_frontend", "--triton-url", triton_server.grpc_url,
-             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra],
-            stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 120
-    while True:
-        if proc.poll() is not None:
-            pytest.fail(f"front end exited with {proc.returncode}:\n{log.read_text()}")
-        try:
-            with urllib.request.urlopen(base + "/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, base
-        except OSError:
-            pass
-        if time.time() > deadline:
-            proc.kill()
-            pytest.fail(f"front end not healthy after 120 s:\n{log.read_text()}")
-        time.sleep(0.3)
-
-
-def _stop(proc) -> None:
-    proc.send_signal(signal.SIGINT)
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
-
 @pytest.fixture(scope="module")
 def frontend(triton_server, tmp_path_factory):
     """``python -m tokenrouter.tools.openai_frontend`` on a free port; yields its base URL (``http://…:port``)."""
-    proc, base = _start_frontend(triton_server, tmp_path_factory.mktemp("openai_frontend") / "frontend.log")
+    proc, base = start_openai_frontend(triton_server, tmp_path_factory.mktemp("openai_frontend") / "frontend.log")
     try:
         yield base
     finally:
-        _stop(proc)
+        stop_openai_frontend(proc)
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +240,7 @@ def test_shutdown_ends_running_requests_after_the_grace(triton_server, tmp_path)
     import threading
 
     log = tmp_path / "frontend.log"
-    proc, base = _start_frontend(triton_server, log, "--graceful-shutdown-s", "1")
+    proc, base = start_openai_frontend(triton_server, log, "--graceful-shutdown-s", "1")
     host, port = base.rsplit("//", 1)[1].split(":")
     try:
         events, plain = [], {}

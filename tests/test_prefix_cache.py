@@ -7,7 +7,6 @@ The server tests run one tritonserver whose two models have the cache on and a s
 from __future__ import annotations
 
 import concurrent.futures as cf
-import os
 import queue
 import re
 import time
@@ -88,24 +87,16 @@ KV_POOL = 512  # tokens per model: the 12 prompts below (~100-token system promp
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from conftest import REPO_ROOT
-    from tritonserver import TritonServer
+    from tr_server import running_server
 
     from tokenrouter.tools.repository import make_variant
 
-    if not os.environ.get("TRITON_BACKEND_DIR"):
-        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
     work = tmp_path_factory.mktemp("prefix_cache")
     params = {"prefix_cache": "true", "kv_pool_tokens": KV_POOL}
     repo = make_variant(str(REPO_ROOT / "model_repository"), str(work / "repo"),
                         model_params={"slm": params, "llm": params})
-    s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
-                     log_path=work / "tritonserver.log")
-    s.start()
-    try:
+    with running_server(repo, work) as s:
         yield s
-    finally:
-        s.stop()
-        print(f"\ntritonserver log: {s.log_path}")
 
 
 def _configure(server, **settings):

@@ -39,7 +39,8 @@ import zmq
 from tokenrouter.routing.curve import make_keys
 from tokenrouter.tools import admin
 from tokenrouter.tools.repository import make_variant
-from tr_client import generate, model_stats, router_inputs, wait_kv_released
+from tr_client import generate, model_stats, router_inputs, stream_then_cancel, wait_kv_released
+from tr_server import python_stubs
 from tritonserver import TritonServer, free_ports
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -65,18 +66,7 @@ def _available_gib() -> float:
 
 def _stub_files(server):
     """/dev/shm regions of ``server``'s Python stubs (left behind when the server is SIGKILLed)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{d}/cmdline").read_bytes().split(b"\0")
-            ppid = int(Path(f"/proc/{d}/stat").read_bytes().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        if argv[0].endswith(b"triton_python_backend_stub") and len(argv) > 2 and ppid == server.process.pid:
-            out.append(Path("/dev/shm", argv[2].decode()))
-    return out
+    return [Path("/dev/shm", stub.region) for stub in python_stubs(server).values()]
 
 
 def _kill_server(server) -> None:
@@ -180,18 +170,7 @@ def test_cancellation_frees_kv_on_both_servers(cluster):
     sp = {"max_tokens": 300, "temperature": 0, "ignore_eos": True, "routing_threshold": 0.0}  # all on llm
 
     def cancel_one(i: int) -> int:
-        q: "queue.Queue" = queue.Queue()
-        c = grpcclient.InferenceServerClient(cluster.a.grpc_url)
-        c.start_stream(callback=lambda result, error: q.put((result, error)))
-        c.async_stream_infer("token_router", router_inputs(f"Tell a very long story number {i}.", sp, True))
-        got = 0
-        while got < 3:
-            result, error = q.get(timeout=180)
-            assert error is None, error
-            got += 1
-        c.stop_stream(cancel_requests=True)
-        c.close()
-        return got
+        return stream_then_cancel(cluster.a, "token_router", f"Tell a very long story number {i}.", sp)
 
     with cf.ThreadPoolExecutor(3) as ex:
         assert [f.result() for f in [ex.submit(cancel_one, i) for i in range(3)]] == [3, 3, 3]

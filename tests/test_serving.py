@@ -14,7 +14,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from tr_client import generate, grpc_stream, metric_values, model_stats, router_inputs, wait_kv_released
+from tr_client import (generate, grpc_stream, metric_values, model_stats, router_inputs, stream_then_cancel,
+                       wait_kv_released)
 
 PROMPTS = [
     "The capital of France is",
@@ -317,18 +318,8 @@ def test_cancelled_streams_free_kv_and_others_unaffected(triton_server):
     reference = generate(triton_server, "Name three planets:", sp)["text_output"]
 
     def cancel_one(i):
-        q: "queue.Queue" = queue.Queue()
-        c = grpcclient.InferenceServerClient(triton_server.grpc_url)
-        c.start_stream(callback=lambda result, error: q.put((result, error)))
-        c.async_stream_infer("token_router", router_inputs(f"Tell a very long story number {i}.", sp_long, True))
-        got = 0
-        while got < 3:
-            result, error = q.get(timeout=120)
-            assert error is None
-            got += 1
-        c.stop_stream(cancel_requests=True)
-        c.close()
-        return got
+        return stream_then_cancel(triton_server, "token_router", f"Tell a very long story number {i}.", sp_long,
+                                  timeout=120)
 
     with cf.ThreadPoolExecutor(4) as ex:
         cancels = [ex.submit(cancel_one, i) for i in range(3)]

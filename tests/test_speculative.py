@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tr_client import generate, grpc_stream, metric_values, model_stats, router_inputs, wait_kv_released
+from tr_client import (generate, grpc_stream, metric_values, model_stats, router_inputs, stream_then_cancel,
+                       wait_kv_released)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -166,21 +167,14 @@ def test_engine_position_logits_and_truncate(engine):
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from tokenrouter.tools.repository import make_variant
-    from tritonserver import TritonServer
+    from tr_server import running_server
 
-    if not os.environ.get("TRITON_BACKEND_DIR"):
-        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
     tmp = tmp_path_factory.mktemp("speculative")
     small = {"kv_pool_tokens": "8192", "max_running_requests": "32"}
     repo = make_variant(str(REPO_ROOT / "model_repository"), str(tmp / "repo"),
                         model_params={"slm": small, "llm": small}, routers=ROUTERS)
-    srv = TritonServer(repo, log_path=tmp / "tritonserver.log",
-                       ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")))
-    srv.start()
-    try:
+    with running_server(repo, tmp) as srv:
         yield srv
-    finally:
-        srv.stop()
 
 
 def greedy(n=N, **kw):
@@ -288,21 +282,9 @@ def test_sampled_requests_are_served_and_counted_in_the_metrics(server):
 
 def test_cancelled_requests_free_all_kv(server):
     sp_long = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    import tritonclient.grpc as grpcclient
 
     def cancel_one(i, router):
-        q: "queue.Queue" = queue.Queue()
-        c = grpcclient.InferenceServerClient(server.grpc_url)
-        c.start_stream(callback=lambda result, error: q.put((result, error)))
-        c.async_stream_infer(router, router_inputs(f"Tell a very long story number {i}.", sp_long, True))
-        got = 0
-        while got < 3:
-            result, error = q.get(timeout=TIMEOUT)
-            assert error is None
-            got += 1
-        c.stop_stream(cancel_requests=True)
-        c.close()
-        return got
+        return stream_then_cancel(server, router, f"Tell a very long story number {i}.", sp_long, timeout=TIMEOUT)
 
     with cf.ThreadPoolExecutor(4) as ex:
         futs = [ex.submit(cancel_one, i, r) for i, r in
@@ -320,12 +302,12 @@ def test_cancelled_requests_free_all_kv(server):
 
 def test_llm_failure_frees_the_drafters_kv(server):
     """Last test of the module: it kills the LLM's stub (as an OOM kill would)."""
-    from test_failure import _stubs
+    from tr_server import python_stubs
 
     s = _stream(server, "token_router_spec_reject", "Tell me a long story about a dragon.",
                 {"max_tokens": 400, "temperature": 0, "ignore_eos": True})
     assert s["first"].wait(TIMEOUT)
-    pid = _stubs(server)["llm_0_0"][0]
+    pid = python_stubs(server)["llm_0_0"].pid
     os.kill(pid, signal.SIGKILL)
     assert s["done"].wait(TIMEOUT)
     assert s["error"] and "llm" in s["error"], s

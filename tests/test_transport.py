@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import os
-import queue
 import shutil
 from pathlib import Path
 
 import pytest
-import tritonclient.grpc as grpcclient
 
 from scheduler_model.config_writer import update_config_text
 from tokenrouter.tools.repository import add_router
 from tokenrouter.tools.soak import run_soak
-from tr_client import generate, grpc_stream, router_inputs, triton_stats, wait_kv_released
-from tritonserver import TritonServer
+from tr_client import generate, grpc_stream, stream_then_cancel, triton_stats, wait_kv_released
+from tr_server import running_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ROUTER = "token_router_triton"
@@ -52,17 +50,9 @@ def _repository(dst: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not os.environ.get("TRITON_BACKEND_DIR"):
-        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
     work = tmp_path_factory.mktemp("transport")
-    s = TritonServer(_repository(work), ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
-                     log_path=work / "tritonserver.log")
-    s.start()
-    try:
+    with running_server(_repository(work), work) as s:
         yield s
-    finally:
-        s.stop()
-        print(f"\ntritonserver log: {s.log_path}")
 
 
 def _kv_zero(server):
@@ -104,18 +94,7 @@ def test_cancel_mid_stream_frees_kv(server):
     sp = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
 
     def cancel_one(i):
-        q: "queue.Queue" = queue.Queue()
-        c = grpcclient.InferenceServerClient(server.grpc_url)
-        c.start_stream(callback=lambda result, error: q.put((result, error)))
-        c.async_stream_infer(ROUTER, router_inputs(f"Tell a very long story number {i}.", sp, True))
-        got = 0
-        while got < 3:
-            result, error = q.get(timeout=180)
-            assert error is None, error
-            got += 1
-        c.stop_stream(cancel_requests=True)
-        c.close()
-        return got
+        return stream_then_cancel(server, ROUTER, f"Tell a very long story number {i}.", sp)
 
     with cf.ThreadPoolExecutor(3) as ex:
         assert [f.result() for f in [ex.submit(cancel_one, i) for i in range(3)]] == [3, 3, 3]

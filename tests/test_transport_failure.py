@@ -9,7 +9,6 @@ test does not share test_failure's server, whose last test checks a clean SIGTER
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 
 from tokenrouter.tools.repository import add_router
 from test_failure import ALL_LLM, _kill, _kv_zero, _Seen, _Stream, _wait_llm_back
-from tritonserver import TritonServer
+from tr_server import is_stub, running_server
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ROUTER = "token_router_triton"
@@ -26,8 +25,6 @@ ROUTER = "token_router_triton"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    if not os.environ.get("TRITON_BACKEND_DIR"):
-        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
     work = tmp_path_factory.mktemp("transport_failure")
     repo = work / "model_repository"
     for m in ("slm", "llm"):
@@ -35,21 +32,15 @@ def server(tmp_path_factory):
     shutil.copytree(REPO_ROOT / "model_repository" / "token_router", repo / "token_router")
     add_router(str(repo), ROUTER, {"transport": "triton"})
     shutil.rmtree(repo / "token_router")
-    s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
-                     log_path=work / "tritonserver.log",
-                     # the killed model's old instance stays unloading while BLS requests were in
-                     # flight (docs/transport.md): do not wait Triton's default 30 s for it at exit
-                     extra_args=["--model-control-mode=explicit", "--load-model=*", "--exit-timeout-secs=5"])
     sems = set(Path("/dev/shm").glob("sem.mp-*"))
-    s.start()
-    s.sems_before = sems
-    s.seen = _Seen()
-    s.seen.note(s)
-    try:
+    # the killed model's old instance stays unloading while BLS requests were in flight
+    # (docs/transport.md): do not wait Triton's default 30 s for it at exit
+    with running_server(repo, work, extra_args=["--model-control-mode=explicit", "--load-model=*",
+                                                "--exit-timeout-secs=5"]) as s:
+        s.sems_before = sems
+        s.seen = _Seen()
+        s.seen.note(s)
         yield s
-    finally:
-        s.stop()
-        print(f"\ntritonserver log: {s.log_path}")
 
 
 def test_llm_killed_triton_transport(server):
@@ -80,8 +71,7 @@ def test_nothing_left_after_stop(server):
     left = alive = None
     while time.monotonic() < deadline:
         left = [r for r in server.seen.regions if Path("/dev/shm", r).exists()]
-        alive = [p for p in server.seen.pids if Path(f"/proc/{p}/cmdline").exists()
-                 and b"triton_python_backend_stub" in Path(f"/proc/{p}/cmdline").read_bytes()]
+        alive = [p for p in server.seen.pids if is_stub(p)]
         if not left and not alive:
             break
         time.sleep(0.5)

@@ -94,6 +94,25 @@ def grpc_stream(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, 
     return out
 
 
+def stream_then_cancel(server, model: str, prompt: str, sampling: Dict[str, Any], *, chunks: int = 3,
+                       timeout: float = 180) -> int:
+    """A client that gives up mid-stream: a streamed request to router ``model``, cancelled
+    (``stop_stream(cancel_requests=True)``) once ``chunks`` responses have come, each within
+    ``timeout`` seconds and without an error.  Returns the responses read (``chunks``)."""
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    c.async_stream_infer(model, router_inputs(prompt, sampling, True))
+    got = 0
+    while got < chunks:
+        result, error = q.get(timeout=timeout)
+        assert error is None, error
+        got += 1
+    c.stop_stream(cancel_requests=True)
+    c.close()
+    return got
+
+
 def triton_stats(server, model: str) -> Dict[str, int]:
     """Triton's own statistics of ``model`` (``GET /v2/models/<model>/stats``): inference_count,
     execution_count and the success count."""

@@ -1,0 +1,139 @@
+"""Server-side helpers for the tests: a test module's own tritonserver, its Python stubs, and the
+OpenAI front end in front of it.  (Client helpers are in tr_client.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, Iterator, Optional, Tuple
+
+import pytest
+
+from tritonserver import TritonServer, free_ports
+
+STUB_EXE = b"triton_python_backend_stub"
+
+
+@contextmanager
+def running_server(repo, work: Path, **kwargs) -> Iterator[TritonServer]:
+    """A started tritonserver for a module fixture: ``with running_server(repo, work) as s: yield s``.
+
+    Args:
+        repo: the model repository it serves (or the base one, with ``models``/``copy``).
+        work: the folder of its log, ``tritonserver.log``.
+        kwargs: more of :class:`TritonServer`'s arguments (``models``, ``copy``, ``extra_args``).
+
+    Readiness timeout: $TOKENROUTER_TEST_READY_TIMEOUT (default 600 s). The server is stopped on
+    leaving the block, and its log's path printed.  (tests/conftest.py marks a test whose fixtures
+    call this ``server``, as it does for ``TritonServer(``.)
+    """
+    if not os.environ.get("TRITON_BACKEND_DIR"):
+        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
+    s = TritonServer(repo, ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
+                     log_path=Path(work) / "tritonserver.log", **kwargs)
+    s.start()
+    try:
+        yield s
+    finally:
+        s.stop()
+        print(f"\ntritonserver log: {s.log_path}")
+
+
+# ------------------------------------------------------------------ Python stubs
+@dataclass(frozen=True)
+class Stub:
+    """A Triton Python stub process: ``triton_python_backend_stub <model.py> <shm region> <size>
+    <growth> <server pid> ...``, its model instance's name at ``argv[8]``."""
+
+    pid: int
+    instance: str  #: e.g. ``llm_0_0``
+    region: str  #: its shared-memory region, a file under /dev/shm
+
+
+def rss_bytes(pid: int) -> Optional[int]:
+    """The resident memory (VmRSS) of process ``pid`` in bytes; None when it is gone (or a zombie)."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _proc(pid: str) -> Optional[Tuple[list, list]]:
+    """(argv, the fields of /proc/PID/stat after the command name) of a process; None when gone."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    return argv, stat[stat.rfind(b")") + 2:].split()
+
+
+def python_stubs(server) -> Dict[str, Stub]:
+    """{instance name: :class:`Stub`} of the live (not zombie) Python stubs whose parent is ``server``."""
+    out = {}
+    for d in os.listdir("/proc"):
+        p = _proc(d) if d.isdigit() else None
+        if p is None:
+            continue
+        argv, fields = p
+        if not argv[0].endswith(STUB_EXE) or len(argv) < 9 or fields[0] == b"Z":
+            continue
+        if int(fields[1]) == server.process.pid:
+            out[argv[8].decode()] = Stub(int(d), argv[8].decode(), argv[2].decode())
+    return out
+
+
+def is_stub(pid: int) -> bool:
+    """Whether process ``pid`` exists and is a Python stub (a zombie is not)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].endswith(STUB_EXE)
+    except OSError:
+        return False
+
+
+# ------------------------------------------------------------------ the OpenAI front end
+def start_openai_frontend(triton_server, log: Path, *extra: str) -> Tuple[subprocess.Popen, str]:
+    """Start ``python -m tokenrouter.tools.openai_frontend`` on a free port in front of
+    ``triton_server``; return (process, base URL ``http://127.0.0.1:PORT``) once ``/health`` answers
+    200.  ``extra``: more of its flags.  Fails the test when it exits or is not healthy in 120 s."""
+    port = free_ports(1)[0]
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tokenrouter.tools.openai_frontend", "--triton-url", triton_server.grpc_url,
+             "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *extra],
+            stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"front end exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            with urllib.request.urlopen(base + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, base
+        except OSError:
+            pass
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"front end not healthy after 120 s:\n{log.read_text()}")
+        time.sleep(0.3)
+
+
+def stop_openai_frontend(proc: subprocess.Popen) -> None:
+    """SIGINT (its graceful shutdown), SIGKILL after 20 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
