@@ -329,7 +329,7 @@ def test_learned_scores_match_offline_router(server):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tokenrouter.algorithms import get_algorithm
-    from tokenrouter.algorithms.learned import load_router, r2r_features
+    from tokenrouter.algorithms.learned import find_router, load_router, r2r_features
 
     path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
@@ -344,7 +344,8 @@ def test_learned_scores_match_offline_router(server):
         with torch.no_grad():
             o = model(seq, output_hidden_states=True)
         hid, logits = o.hidden_states[-1][0], o.logits[0]
-        router = load_router(get_algorithm(algo).params_spec["router"].default, algo)
+        assert get_algorithm(algo).params_spec["router"].default == "auto"
+        router = load_router(find_router(algo, path), algo)  # what router=auto served
         # SLM steps: kept tokens (score per token) and discarded ones (handoff score)
         steps = [(p, s) for p, (m, s) in enumerate(zip(tr["trace"], tr["scores"])) if m == 0]
         steps += [(h["pos"], h["score"]) for h in tr["handoffs"] if h["from"] == 0]
