@@ -89,6 +89,8 @@ takes about 28 min.
     python perf/bench_matrix.py --pairs demo --concurrency 2 --max-tokens 16 --duration 6 \\
         --modes tokenrouter,slm-only                              # smoke
     python perf/bench_matrix.py --one-shot --requests-per-client 4  # the one-shot figure
+    python perf/bench_matrix.py --pairs qwen-coder --prompts humaneval --concurrency 8 --max-tokens 384 \\
+        --duration 60 --repeats 2 --algorithm-params '{"tau": 0.05}'   # the real pair on its task (~30 min)
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ except ImportError as exc:
     sys.exit(f"{os.path.basename(sys.argv[0])}: {exc}. The benchmarks run in the project's "
              "environment: `source deploy/env.sh` first (it creates the environment on first use).")
 
-from loadgen import SteadyLoad, load_tokenizer, run_load, spread, summarize, window_summary  # noqa: E402
+from loadgen import SteadyLoad, load_tokenizer, run_load, spread, summarize, triton_client, window_summary  # noqa: E402
 from tokenrouter.tools import admin  # noqa: E402
 from tokenrouter.tools.repository import make_variant  # noqa: E402
 from tritonserver import TritonServer, exit_on_termination  # noqa: E402
@@ -132,6 +134,14 @@ RESET = {"delayed_batch_size": 1, "delayed_batch_max_wait_us": 0, "readmit_on_re
 def _prompts() -> List[str]:
     with open(os.path.join(HERE, "prompts.txt"), encoding="utf-8") as f:
         return [line.strip() for line in f if line.strip()]
+
+
+def _humaneval(repo: str) -> List[str]:
+    """``--prompts humaneval``: the 164 HumanEval prompts as ``perf/quality.py`` renders them with the
+    router's tokenizer (chat template applied client-side: sent with ``apply_chat_template`` false)."""
+    from quality import humaneval_prompts, router_tokenizer
+
+    return humaneval_prompts(router_tokenizer(repo))
 
 
 def _events_size(path: str) -> int:
@@ -286,6 +296,10 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
         ``cpu_share`` (``{role: CPU seconds / wall seconds}`` of the measurement: 1.0 = one core
         busy) when ``cpu`` is given.
     """
+    if args.prompts == "humaneval":  # rendered client-side (no chat template), stopped as quality.py stops
+        from quality import task_sampling
+
+        target = task_sampling(triton_client(target, model, chat=False) if isinstance(target, str) else target)
     marks: List[tuple] = []
     stats = probe
     if cpu is not None:
@@ -308,8 +322,8 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
                       tokens_per_chunk=args.stream_interval).start()
     try:
         m = load.measure(args.duration, args.windows, probe=probe, min_warmup_s=args.warmup_s, since=load.t_started)
-    except BaseException:  # Ctrl-C or SIGTERM: no drain (it can take as long as a request); the server stops
-        load.stop(timeout_s=0)
+    except BaseException:  # Ctrl-C or SIGTERM: cancel, no drain (it can take as long as a request); the server stops
+        load.stop(timeout_s=0, cancel=True)
         raise
     cancel = args.drain == "cancel"
     recs = load.stop(cancel=cancel)
@@ -412,15 +426,19 @@ ROUTER_OF_MODE = {"llm-only": "token_router_llm_only", "slm-only": "token_router
 def configure_mode(url: str, mode: str, B: Optional[Dict[str, int]] = None, wait_us: int = 0) -> str:
     """Put the models of a running server into ``mode``'s settings (module docstring's modes).
 
-    Every model is first reset to eager (:data:`RESET`); ``tokenrouter`` then sets each model's
-    delayed-batching threshold ``B[model]`` with the wait bound ``wait_us`` (µs) where B > 1.
-    ``tokenrouter-triton`` leaves the decode loops eager: Triton's batcher groups arrivals.
+    Every model is first reset to eager (:data:`RESET`) and its prefix cache emptied: every cell
+    sends the same prompts from the first one on, so without the flush a cell would find the
+    previous cell's prompts cached and the modes would not be measured alike.  ``tokenrouter``
+    then sets each model's delayed-batching threshold ``B[model]`` with the wait bound
+    ``wait_us`` (µs) where B > 1.  ``tokenrouter-triton`` leaves the decode loops eager: Triton's
+    batcher groups arrivals.
 
     Returns:
         the router model the mode's requests go to.
     """
     for m in MODELS:
         admin.configure(url, m, **RESET)
+        admin.flush(url, m)
     for m in MODELS:
         if mode == "tokenrouter":
             admin.configure(url, m, delayed_batch_size=int(B[m]), delayed_batch_max_wait_us=wait_us if B[m] > 1 else 0)
@@ -458,13 +476,13 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     rp = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters
     tok = load_tokenizer(resolve_model_path(rp["tokenizer_path"].string_value if "tokenizer_path" in rp
                                             else "smollm2-135m-instruct"))
-    prompts = _prompts()
+    prompts = _prompts() if args.prompts == "generic" else _humaneval(repo)
     # with --repeats the no-Triton workers run beside the server and their cells interleave with the
     # others, so that ratio is paired too (the idle side's processes use a little CPU, 0.02-0.05
     # cores on the size-realistic pair: the CPU table reads both sides).  Both sets of models are
     # loaded: on a GPU host give the models kv_pool_tokens so that the two sets fit.
     interleave = args.repeats > 1 and "no-triton" in args.modes
-    nt = NoTriton(pair, repo) if interleave else None
+    nt = NoTriton(pair, repo, chat=args.prompts == "generic") if interleave else None
     try:
         _run_server_cells(pair, repo, work, events, tok, prompts, nt, args, results, out_dir)
     finally:
@@ -587,12 +605,13 @@ class NoTriton:
     Args:
         pair: the pair's name (for the log line).
         repo: the variant repository whose model configs the workers take.
+        chat: apply the chat template to the prompts (false: ``--prompts humaneval``, rendered).
 
     Raises:
         RuntimeError: a worker did not come up.
     """
 
-    def __init__(self, pair: str, repo: str):
+    def __init__(self, pair: str, repo: str, chat: bool = True):
         import threading
 
         from tokenrouter.tools.direct import DirectCluster, DirectRouter
@@ -634,7 +653,8 @@ class NoTriton:
                                    resolve_model_path(rp.get("tokenizer_path", "smollm2-135m-instruct")),
                                    rp.get("algorithm", "rstitch"), json.loads(rp.get("algorithm_params") or "{}"))
             def gen(p, sp, cb, abort=None):
-                return router.generate(p, sp, on_text=cb, cancelled=abort.is_set if abort else (lambda: False))
+                return router.generate(p, sp, chat=chat, on_text=cb,
+                                       cancelled=abort.is_set if abort else (lambda: False))
             self.gen = gen
             run_load(self.gen, _prompts(), 2, 8)  # warm-up
         except BaseException:
@@ -661,7 +681,7 @@ class NoTriton:
 def run_no_triton(pair: str, repo: str, args, results: Dict[str, Any], out_dir: str, prompts: List[str],
                   tok=None) -> None:
     """The no-Triton cells after the server has stopped: same configs, the tokenrouter cell's B* per cell."""
-    nt = NoTriton(pair, repo)
+    nt = NoTriton(pair, repo, chat=args.prompts == "generic")
     try:
         for L in args.max_tokens:
             for N in args.concurrency:
@@ -1009,6 +1029,12 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the models' stream_interval: committed tokens per streamed message, the first "
                          "token at once (default 1; every mode, no-triton too, in the variant repository)")
+    ap.add_argument("--prompts", choices=("generic", "humaneval"), default="generic",
+                    help="the requests' prompts: generic = perf/prompts.txt with the chat template applied "
+                         "by the server (default); humaneval = HumanEval's 164 problems as perf/quality.py "
+                         "sends them, each request stopped where a quality run's stops (the code block's "
+                         "end or EOS; --max-tokens is the cap), so the LLM-token share and output "
+                         "lengths are those of the quality figures")
     ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)
@@ -1082,7 +1108,7 @@ def main(argv=None) -> int:
                 "duration_s": None if a.one_shot else a.duration, "windows": None if a.one_shot else a.windows,
                 "repeats": a.repeats, "interleave_lengths": a.interleave_lengths,
                 "warmup_s": None if a.one_shot else a.warmup_s, "wait_factor": a.wait_factor,
-                "calibrate": a.calibrate, "full": a.full, "stream_interval": a.stream_interval, "drain": a.drain,
+                "calibrate": a.calibrate, "full": a.full, "prompts": a.prompts, "stream_interval": a.stream_interval, "drain": a.drain,
                 "cpu_count": os.cpu_count(),
                 "note": _scale_note(a)}
     results: Dict[str, Any] = {"settings": settings, "rows": []}

@@ -323,7 +323,7 @@ def main(argv=None) -> int:
             try:
                 row = sweep_one_N(url, load, N, a, events, start, a.out, calibration)
             except BaseException:  # interrupted: no drain; leaving the server block stops the server
-                load.stop(timeout_s=0)
+                load.stop(timeout_s=0, cancel=True)
                 raise
             load.stop(cancel=True)  # every point is measured: the requests in flight are not needed
             _wait_idle(lambda: {m: admin.model_stats(url, m) for m in MODELS})

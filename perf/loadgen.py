@@ -186,17 +186,19 @@ def token_arrival_times(chunks: Sequence[Tuple[float, str]], token_ids: Sequence
     return out
 
 
-def triton_client(url: str, model: str = "token_router") -> Callable:
+def triton_client(url: str, model: str = "token_router", chat: bool = True) -> Callable:
     """A generate function streaming from a Triton router model over gRPC (with the routing trace).
 
-    It takes ``abort`` (a ``threading.Event``): once set, the request is cancelled on the server
-    and ``RequestAborted`` raised.
+    ``chat``: the server applies the model's chat template to the prompt (false: the prompt is
+    sent as it is, e.g. prompts rendered client-side by ``perf/quality.py``).  It takes ``abort``
+    (a ``threading.Event``): once set, the request is cancelled on the server and
+    ``RequestAborted`` raised.
     """
     from tokenrouter.tools.cli import stream_generate
 
     def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None],
             abort: Optional[threading.Event] = None) -> Dict:
-        return stream_generate(url, prompt, sampling, chat=True, trace=True, model=model, on_text=on_text,
+        return stream_generate(url, prompt, sampling, chat=chat, trace=True, model=model, on_text=on_text,
                                abort=abort)
     return gen
 

@@ -62,7 +62,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 from loadgen import SteadyLoad, triton_client, window_summary  # noqa: E402
-from quality import build_prompt, load_problems, router_tokenizer  # noqa: E402
+from quality import humaneval_prompts, router_tokenizer  # noqa: E402
 
 MODELS = ("slm", "llm")
 WORKLOADS = ("system", "chat", "unique", "humaneval")
@@ -85,19 +85,6 @@ def _n_tokens(tokenizer, text: str) -> int:
     return len(tokenizer._tokenizer.encode(text, add_special_tokens=False).ids)  # the fast tokenizer's own
 
 
-def humaneval_prompts(tokenizer) -> List[str]:
-    """HumanEval's 164 prompts in order, as ``perf/quality.py`` sends them (``build_prompt``; to
-    send with ``apply_chat_template`` false).
-
-    Args:
-        tokenizer: the pair's tokenizer (``quality.router_tokenizer``), with a chat template.
-
-    Raises:
-        ValueError: the tokenizer has no chat template.
-    """
-    return [build_prompt(tokenizer, p) for p in load_problems()]
-
-
 def shared_prefix_tokens(tokenizer, prompts: Sequence[str]) -> int:
     """The number of leading prompt tokens all ``prompts`` share (the most a cache can reuse of a
     prompt it has not seen whole), with the tokenizer's special tokens as the router encodes them."""
@@ -107,16 +94,6 @@ def shared_prefix_tokens(tokenizer, prompts: Sequence[str]) -> int:
         if any(x[i] != ids[0][i] for x in ids):
             return i
     return n
-
-
-def prompt_client(url: str) -> Callable:
-    """A generate function for ``SteadyLoad`` sending the prompt text as it is (no chat template
-    applied on the server), over gRPC, with the routing trace."""
-    from tokenrouter.tools.cli import stream_generate
-
-    def gen(prompt: str, sampling: Dict, on_text: Callable[[str], None], abort=None) -> Dict:
-        return stream_generate(url, prompt, sampling, chat=False, trace=True, on_text=on_text, abort=abort)
-    return gen
 
 
 def system_prompt(tokenizer, tokens: int) -> str:
@@ -193,7 +170,7 @@ def measure(url: str, workload: str, on: bool, a, tok, sys_text: str, questions:
     :func:`humaneval_prompts`, for ``humaneval``)."""
     _set_cache(url, on)
     if workload == "humaneval":  # rendered client-side as perf/quality.py does: sent as they are
-        target, prompts = prompt_client(url), list(he_prompts)
+        target, prompts = triton_client(url, chat=False), list(he_prompts)
     elif workload == "chat":
         target, prompts = ChatClients(url, questions), ["(chat)"]
     elif workload == "system":  # numbered: a question's own text is never cached, only what precedes it
@@ -204,7 +181,7 @@ def measure(url: str, workload: str, on: bool, a, tok, sys_text: str, questions:
     try:
         m = load.measure(a.duration, windows=a.windows, probe=lambda: _stats(url), since=load.t_started)
     except BaseException:
-        load.stop(timeout_s=0)
+        load.stop(timeout_s=0, cancel=True)
         raise
     records = load.stop(cancel=True)
     s = window_summary(records, m["bounds"], probes=m["probes"], latencies="completed")

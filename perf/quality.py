@@ -169,6 +169,31 @@ def build_prompt(tokenizer, problem: Mapping[str, Any]) -> str:
     return head + RESPONSE_PREFIX.format(prompt=problem["prompt"])
 
 
+def humaneval_prompts(tokenizer, problems: Optional[Sequence[Mapping[str, Any]]] = None) -> List[str]:
+    """HumanEval's prompts in order, as this benchmark sends them (:func:`build_prompt`; to send
+    with ``apply_chat_template`` false), for load generators that want this task's prompts.
+
+    Args:
+        tokenizer: the pair's tokenizer (:func:`router_tokenizer`), with a chat template.
+        problems: the problems (default: :func:`load_problems`, all 164).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    return [build_prompt(tokenizer, p) for p in (load_problems() if problems is None else problems)]
+
+
+def task_sampling(gen: Callable) -> Callable:
+    """Wrap a load generator's generate function ``gen(prompt, sampling, on_text, abort=None)`` so
+    that its requests end as this benchmark's do: at :data:`STOP` or EOS (``ignore_eos`` off), with
+    the load's ``max_tokens`` as the cap.  Load generators then measure speed at the operating point
+    of a quality run (its LLM-token share and output lengths), not on continuations past the answer.
+    """
+    def task_gen(prompt: str, sampling: Dict[str, Any], on_text, abort=None) -> Dict[str, Any]:
+        return gen(prompt, {**sampling, "ignore_eos": False, "stop": [STOP]}, on_text, abort=abort)
+    return task_gen
+
+
 def extract_completion(text: str) -> str:
     """The function body from a generated continuation: the text before the first ```` ``` ````
     (all of it when the stop string is absent, e.g. cut by ``max_tokens``)."""

@@ -3,6 +3,8 @@
     source deploy/env.sh
     python perf/speculative.py                                   # demo pair, N = 1 and 8, k = 2, 4, 6
     python perf/speculative.py --pair qwen-coder --concurrency 1,8,32 --duration 120
+    python perf/speculative.py --pair qwen-coder --prompts humaneval --k 2,4 --no-adaptive --max-tokens 384 \\
+        --duration 40 --repeats 2                               # the real pair on its task (~21 min here)
     python perf/speculative.py --k 4 --concurrency 1 --duration 20 --windows 2   # a smoke run
 
 One tritonserver serves the pair (``tokenrouter.tools.repository.make_variant``) with one router
@@ -11,7 +13,8 @@ model per setting: ``token_router_llm`` (algorithm ``none``, model 1: LLM-only, 
 ``token_router_spec_adaptive`` (adaptive k,
 from ``max(--k)`` up to ``--k-max``).  For every concurrency N, each setting runs as N
 closed-loop clients (:class:`perf.loadgen.SteadyLoad`: greedy, ``ignore_eos``, ``--max-tokens``
-output tokens, chat prompts from data/router_prompts.jsonl), warms up, and is measured over
+output tokens, chat prompts from data/router_prompts.jsonl; ``--prompts humaneval``: HumanEval's,
+stopped as ``perf/quality.py`` stops them), warms up, and is measured over
 ``--windows`` windows of ``--duration`` / windows seconds; the settings alternate in the order
 given, repeated ``--repeats`` times, so drift of a shared host falls on all of them alike.
 
@@ -47,7 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-from loadgen import SteadyLoad, load_tokenizer, window_summary  # noqa: E402
+from loadgen import SteadyLoad, load_tokenizer, triton_client, window_summary  # noqa: E402
 
 COUNTERS = ("forward_s", "steps", "verifications", "drafts_verified", "drafts_accepted", "draft_tokens",
             "step_time_s")
@@ -64,9 +67,21 @@ def _delta(a, b, model, key):
 
 
 def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duration: float, windows: int,
-                tokenizer) -> dict:
-    """One steady-state measurement of router model ``router`` at concurrency ``n``."""
-    load = SteadyLoad(url, prompts, n, max_tokens, model=router, tokenizer=tokenizer).start()
+                tokenizer, chat: bool = True) -> dict:
+    """One steady-state measurement of router model ``router`` at concurrency ``n`` (``chat``: the
+    server applies the chat template; false for prompts rendered client-side).  The models'
+    prefix caches are emptied first: every setting sends the same prompts from the first one on,
+    and would otherwise find the previous setting's prompts cached."""
+    from tokenrouter.tools import admin
+
+    for m in ("slm", "llm"):
+        admin.flush(url, m)
+    gen = triton_client(url, router, chat=chat)
+    if not chat:  # HumanEval: requests stop as perf/quality.py's do (code block's end, EOS)
+        from quality import task_sampling
+
+        gen = task_sampling(gen)
+    load = SteadyLoad(gen, prompts, n, max_tokens, tokenizer=tokenizer).start()
     try:
         m = load.measure(duration, windows, probe=lambda: _stats(url), since=load.t_started)
         records = load.snapshot()
@@ -102,6 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--kv-pool-tokens", type=int, default=16384)
+    ap.add_argument("--prompts", choices=("chat", "humaneval"), default="chat",
+                    help="chat = data/router_prompts.jsonl with the server's chat template (default); "
+                         "humaneval = HumanEval's 164 problems as perf/quality.py renders and stops them "
+                         "(--max-tokens is then the cap)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from tokenrouter.tools.repository import make_variant
@@ -119,7 +138,13 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-speculative-")
     repo = make_variant(str(ROOT / "model_repository"), os.path.join(tmp, "repo"), pair=a.pair,
                         model_params={"slm": pool, "llm": pool}, routers=routers)
-    prompts = [json.loads(line)["prompt"] for line in open(ROOT / "data" / "router_prompts.jsonl") if line.strip()]
+    if a.prompts == "humaneval":
+        from quality import humaneval_prompts, router_tokenizer
+
+        prompts = humaneval_prompts(router_tokenizer(repo))
+    else:
+        prompts = [json.loads(line)["prompt"] for line in open(ROOT / "data" / "router_prompts.jsonl")
+                   if line.strip()]
     from tokenrouter.tools.repository import read_config
     tok_path = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters["tokenizer_path"].string_value
     weights = os.environ.get("TOKENROUTER_WEIGHTS", "")
@@ -132,7 +157,8 @@ def main(argv=None) -> int:
             per = {name: [] for name in routers}
             for rep in range(a.repeats):
                 for name in routers:
-                    r = run_setting(url, name, prompts, n, a.max_tokens, a.duration, a.windows, tokenizer)
+                    r = run_setting(url, name, prompts, n, a.max_tokens, a.duration, a.windows, tokenizer,
+                                    chat=a.prompts == "chat")
                     per[name].append(r)
                     print(f"N={n} rep={rep} {name:14s} {r['throughput_tok_s']:7.2f} tok/s  "
                           f"ITL p50 {r['itl_p50_s'] * 1e3:7.1f} ms  acceptance {r['acceptance_rate']}  "
@@ -168,7 +194,7 @@ def main(argv=None) -> int:
             print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
     out = a.out or str(ROOT / "perf" / "results" / f"speculative-{a.pair}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    meta = {"pair": a.pair, "concurrency": ns, "k": ks, "max_tokens": a.max_tokens, "duration_s": a.duration,
+    meta = {"pair": a.pair, "prompts": a.prompts, "concurrency": ns, "k": ks, "max_tokens": a.max_tokens, "duration_s": a.duration,
             "windows": a.windows, "repeats": a.repeats, "routers": routers, "started": t_start,
             "command": "python perf/speculative.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     with open(out, "w") as f:

@@ -500,6 +500,33 @@ def test_bench_matrix_tiny(repo_root, tmp_path):
 
 
 
+@pytest.mark.server
+def test_bench_matrix_on_humaneval_prompts(repo_root, tmp_path):
+    """--prompts humaneval: the problems as perf/quality.py renders them, sent without the server's
+    chat template, each request stopped at the code block's end or EOS (max_tokens only caps it);
+    every cell starts with the models' prefix caches emptied, so no cell finds its prompts cached
+    by the cell before (the same prompts, in the same order)."""
+    out = tmp_path / "matrix"
+    p = subprocess.run([sys.executable, str(repo_root / "perf" / "bench_matrix.py"), "--pairs", "demo",
+                        "--prompts", "humaneval", "--concurrency", "2", "--max-tokens", "64", "--modes",
+                        "llm-only,slm-only", "--repeats", "2", "--out", str(out), "--duration", "1.5", "--no-calibrate"],
+                       cwd=repo_root, capture_output=True, text=True, timeout=900, env=os.environ.copy())
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    res = json.loads((out / "results.json").read_text())
+    assert res["settings"]["prompts"] == "humaneval"
+    assert sorted(r["mode"] for r in res["repeat_rows"]) == ["llm-only", "llm-only", "slm-only", "slm-only"]
+    for r in res["repeat_rows"]:
+        mode = r["mode"]
+        assert r["errors"] == 0 and r["throughput_tok_s"] > 0, (mode, r)
+        st = r["model_stats"][{"llm-only": "llm", "slm-only": "slm"}[mode]]
+        # a cold cache in each repeat: the second sends the first's prompts again, and prefills them
+        # again (HumanEval prompts run to hundreds of tokens; a cached one would extend a few)
+        assert st["extend_tokens"] > 100 * r["requests"] > 0, (mode, r["repeat"], st)
+        # requests ended at the code block or EOS, not at max_tokens (with EOS ignored every completed
+        # request would bring 64 tokens): the demo model closes the block within a few tokens
+        assert r["requests"] > 0 and r["output_tokens"] < 32 * r["requests"], (mode, r)
+
+
 def test_contention_table_splits_steps_by_overlap_with_the_other_model():
     from contention import contention_table, overlap_shares
 

@@ -109,6 +109,29 @@ def test_prompt_is_the_chat_template_with_the_prefilled_answer():
     assert text.count("<|im_start|>assistant") == 1 and text.index(user) < text.index("<|im_start|>assistant")
 
 
+def test_load_generators_send_the_task_as_a_quality_run_does():
+    """The prompts and stopping that bench_matrix/speculative --prompts humaneval use: every problem in
+    order, rendered by build_prompt; a load's sampling keeps its max_tokens and temperature, and stops
+    at the code block's end or EOS instead of ignoring EOS."""
+    from tokenrouter.tools.openai_frontend import load_tokenizer
+    from tokenrouter.triton.common import resolve_model_path
+
+    tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    probs = list(PROBLEMS.values())[:3]
+    assert quality.humaneval_prompts(tok, probs) == [quality.build_prompt(tok, p) for p in probs]
+    assert len(quality.humaneval_prompts(tok)) == 164
+    seen = []
+
+    def gen(prompt, sampling, on_text, abort=None):
+        seen.append((prompt, sampling, abort))
+        return {"text": "x"}
+
+    stop = object()
+    out = quality.task_sampling(gen)("p", {"max_tokens": 7, "temperature": 0, "ignore_eos": True}, None, abort=stop)
+    assert out == {"text": "x"}
+    assert seen == [("p", {"max_tokens": 7, "temperature": 0, "ignore_eos": False, "stop": [quality.STOP]}, stop)]
+
+
 @pytest.mark.parametrize("k,n", [(0, 10), (3, 10), (10, 10), (93, 164), (1, 1)])
 def test_wilson_interval(k, n):
     from scipy.stats import binomtest
