@@ -759,6 +759,8 @@ def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
                         capsize=3)
             continue
         curves.setdefault(r["point"].split(":", 1)[0], []).append(r)
+    palette = iter(["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
+                    "tab:cyan"] * 4)  # red is random routing's alone
     for algo, rs in curves.items():
         rs = sorted(rs, key=lambda x: x["llm_share"])
         x = [q["llm_share"] for q in rs]
@@ -766,7 +768,7 @@ def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
         err = [[100 * max(0.0, q["pass_at_1"] - q["ci95"][0]) for q in rs],
                [100 * max(0.0, q["ci95"][1] - q["pass_at_1"]) for q in rs]]
         ax.errorbar(x, y, yerr=err, fmt="o--" if algo == "random" else "o-", capsize=2, label=algo,
-                    color="tab:red" if algo == "random" else None, alpha=0.9)
+                    color="tab:red" if algo == "random" else next(palette), alpha=0.9)
     ax.set_xlabel("LLM-token share")
     ax.set_ylabel("HumanEval pass@1 (%)")
     ax.set_xlim(-0.03, 1.03)
