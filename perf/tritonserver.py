@@ -177,6 +177,21 @@ class TritonServer:
             shutil.copytree(folder, repo / name, dirs_exist_ok=True, ignore=ignore)
         return repo
 
+    def _assemble_backends(self) -> None:
+        """Build ``TRITON_BACKEND_DIR`` with ``deploy/assemble_backends.sh`` if it is not built.
+
+        A fresh checkout has the directory's path from ``deploy/env.sh`` but not its
+        contents (``deploy/serve`` and ``tests/run`` assemble it on their own); the
+        script is idempotent. Raises ``TritonServerError`` with its output if it fails.
+        """
+        built = Path(self.backend_directory)
+        if (built / "python" / ".tokenrouter-complete").is_file() and (built / "tokenrouter").exists():
+            return
+        script = Path(__file__).resolve().parent.parent / "deploy" / "assemble_backends.sh"
+        done = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+        if done.returncode != 0:
+            raise TritonServerError(f"{script} failed:\n{done.stdout}{done.stderr}")
+
     def start(self) -> "TritonServer":
         """Start the server and wait until it is ready; returns ``self``.
 
@@ -189,6 +204,7 @@ class TritonServer:
         """
         if self.process is not None:
             raise TritonServerError("already started")
+        self._assemble_backends()
         for load_threads in (2, 1):
             try:
                 self._launch(load_threads)

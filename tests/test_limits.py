@@ -137,6 +137,31 @@ def test_grpc_stream_refuses_oversized_input(server):
     healthy.check()
 
 
+#: a prompt under the demo's max_input_bytes (8,192 x 82 = 671,744) with 300,001 tokens
+OVER_CONTEXT = "a " * 300_000
+#: router stub growth allowed over the over-context refusals: tokenised whole, such a prompt
+#: took about 35 MiB each, which the allocator kept (about 380 MiB after 27 of them)
+OVER_CONTEXT_RSS_MARGIN = 48 * 2**20
+
+
+def test_prompt_over_the_context_is_refused_without_tokenising_it_whole(server):
+    router = lambda: {m: r for m, r in _stub_rss(server).items() if m.startswith("token_router")}
+    assert len(OVER_CONTEXT.encode()) < 671_744
+    _generate(server, {"text_input": OVER_CONTEXT})  # the first refusal's one-off allocations
+    before = router()
+    assert before, _stub_rss(server)
+    for _ in range(12):
+        r = _generate(server, {"text_input": OVER_CONTEXT, "sampling_parameters": json.dumps({"max_tokens": 4})})
+        assert r.status_code == 400, (r.status_code, r.text[:300])
+        assert re.search(r"prompt has at least \d+ tokens \(counted until past the limit\); "
+                         r"the context length is 8192", r.json()["error"]), r.text[:300]
+    after = router()
+    grown = {m: after[m] - before[m] for m in before}
+    assert all(g < OVER_CONTEXT_RSS_MARGIN for g in grown.values()), {m: f"{g / 2**20:.0f} MiB" for m, g in grown.items()}
+    r = _generate(server, {"text_input": "hi", "sampling_parameters": json.dumps({"max_tokens": 4})})
+    assert r.status_code == 200, r.text[:300]
+
+
 def test_request_that_can_never_fit_the_kv_pool_is_refused_at_once(server):
     """A prompt + max_tokens beyond the model's KV pool (but within the context) is a 400 naming the
     pool, not a wait: it could never be admitted."""
@@ -233,6 +258,11 @@ def test_openai_frontend_refuses_oversized_bodies_before_reading_them(server, fr
         "model": "token_router", "prompt": "hi", "max_tokens": 4, "stop": ["s"] * 17})
     err = _openai_error(r.status_code, r.content)
     assert r.status_code == 400 and err["param"] == "stop" and "(max_stop_strings)" in err["message"], err
+    r = requests.post(base + "/v1/completions", timeout=60, json={
+        "model": "token_router", "prompt": "hi", "max_tokens": 4, "stop": ["x"] * 50000})  # the sampling fields the front end packs: over max_sampling_parameters_bytes
+    err = _openai_error(r.status_code, r.content)
+    assert r.status_code == 400 and err["param"] == "stop" and "(max_sampling_parameters_bytes)" in err["message"], err
+    assert "sampling_parameters" not in err["message"].replace("max_sampling_parameters_bytes", ""), err
     r = requests.post(base + "/v1/completions", timeout=60, json={
         "model": "token_router", "prompt": "c" * (1000 * 1024), "max_tokens": 4})
     err = _openai_error(r.status_code, r.content)

@@ -262,8 +262,62 @@ def stop_token_ids(tokenizer) -> List[int]:
     return sorted(i for i in ids if i is not None)
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> List[int]:
-    """Token ids of ``prompt``; with ``chat`` wrapped as a user turn by the chat template."""
+class PromptTooLong(ValueError):
+    """A prompt with more tokens than allowed; ``counted`` is a lower bound of its length (tokens)."""
+
+    def __init__(self, counted: int, limit: int):
+        super().__init__(f"prompt has more than {limit} tokens (at least {counted})")
+        self.counted, self.limit = counted, limit
+
+
+#: characters tokenised at a time when a long prompt is counted against its limit
+COUNT_CHUNK_CHARS = 16384
+
+
+def count_tokens_past(tokenizer, text: str, limit: int, chunk_chars: int = COUNT_CHUNK_CHARS) -> Optional[int]:
+    """Count the tokens of ``text`` piece by piece until they pass ``limit``.
+
+    ``text`` is cut into pieces of at most ``chunk_chars`` characters, each cut before a
+    whitespace character where the piece has one (where byte-level BPE pre-tokenizers cut
+    too), and each piece is tokenised on its own. A cut may change the count by a token or
+    two, so a piece is allowed 2 tokens of slack.
+
+    Returns:
+        ``None`` when the count stays within ``limit`` + the slack (the prompt may fit:
+        encode it whole), else the count reached (int, tokens) at the first piece past it.
+        The memory used is that of one piece's tokens, whatever the length of ``text``.
+    """
+    if len(text.encode("utf-8", "surrogatepass")) <= limit:  # a token holds at least one byte
+        return None
+    count = pieces = pos = 0
+    while pos < len(text):
+        end = min(pos + chunk_chars, len(text))
+        if end < len(text):
+            cut = max(text.rfind(" ", pos + 1, end), text.rfind("\n", pos + 1, end))
+            end = cut if cut > pos else end
+        count += len(tokenizer.encode(text[pos:end], add_special_tokens=False))
+        pieces += 1
+        pos = end
+        if count > limit + 2 * pieces:
+            return count
+    return None
+
+
+def encode_prompt(tokenizer, prompt: str, chat: bool, max_prompt_tokens: Optional[int] = None) -> List[int]:
+    """Token ids of ``prompt`` (list of int); with ``chat`` wrapped as a user turn by the chat template.
+
+    With ``max_prompt_tokens``, a prompt that clearly has more tokens is refused before it is
+    tokenised whole (:func:`count_tokens_past`), so that a refused prompt claims memory for
+    at most that many tokens, not for its length.
+
+    Raises:
+        PromptTooLong: the prompt alone has more than ``max_prompt_tokens`` tokens (callers
+            still compare the returned length, which counts the chat template, to their limit).
+    """
+    if max_prompt_tokens is not None:
+        counted = count_tokens_past(tokenizer, prompt, max_prompt_tokens)
+        if counted is not None:
+            raise PromptTooLong(counted, max_prompt_tokens)
     if chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                             add_generation_prompt=True, tokenize=True)

@@ -51,9 +51,10 @@ def resolve_model_path(path: str) -> str:
     full = path if os.path.isabs(path) else os.path.join(weights_dir(), path)
     if not os.path.isfile(os.path.join(full, "config.json")):
         raise FileNotFoundError(
-            f"model_path {path!r} -> {full!r} has no config.json; run deploy/serve (or "
-            f"python deploy/prepare_weights.py) to prepare the demo weights, or point model_path "
-            f"at a Hugging Face checkpoint folder")
+            f"model_path {path!r} -> {full!r} has no config.json; prepare the pair's weights "
+            f"once with `deploy/serve --pair PAIR` or `python deploy/prepare_weights.py --pair PAIR` "
+            f"(PAIR: qwen-coder, demo or size-realistic), or point model_path at a Hugging Face "
+            f"checkpoint folder")
     return full
 
 

@@ -117,7 +117,7 @@ from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
 from ..routing.peer import PeerClient, PeerDownError, advert_path, read_advert, remove_advert, write_advert
 from ..protocol import FinishReason
-from ..routing.router_core import drive, encode_prompt, make_header, stop_token_ids
+from ..routing.router_core import PromptTooLong, drive, encode_prompt, make_header, stop_token_ids
 from . import model_control
 from .common import model_parameters
 from .messages import (BusyCount, BusyReply, EndpointQuery, ErrorReply, FinalOutputs, IOCall, RequestMetrics,
@@ -492,7 +492,12 @@ class TritonPythonModel:
                     {**params, self.algo_cls.threshold_param: sp.routing_threshold}, len(self.models))
             except ValueError as e:
                 raise ClientError(f"{source}.routing_threshold: {e}") from None
-        ids = encode_prompt(self.tokenizer, prompt, _bool_input(request, "apply_chat_template", False))
+        try:
+            ids = encode_prompt(self.tokenizer, prompt, _bool_input(request, "apply_chat_template", False),
+                                max_prompt_tokens=self.context_length - 1)
+        except PromptTooLong as e:
+            raise ClientError(f"prompt has at least {e.counted} tokens (counted until past the limit); "
+                              f"the context length is {self.context_length}") from None
         if len(ids) >= self.context_length:
             raise ClientError(f"prompt has {len(ids)} tokens; the context length is {self.context_length}")
         if len(ids) + sp.max_tokens > self.context_length:

@@ -83,7 +83,10 @@ def backend_error(msg: str, chat: bool = False) -> OpenAIError:
         return OpenAIError(503, msg, type="server_error", code="server_busy", headers={"Retry-After": "1"})
     if any(h in low for h in _CLIENT_ERROR_HINTS):
         m = re.search(r"parameters\.(\w+)", msg) or re.search(r"unknown keys[^\[]*\['(\w+)'", msg)
-        if m:
+        size = re.match(r"sampling_parameters is (\d+ bytes; the limit is .*)", msg)
+        if size:  # the sampling fields this front end packed; only stop strings can be that long
+            param, msg = "stop", f"stop and the other sampling fields take {size.group(1)}"
+        elif m:
             param = m.group(1)
             # the request's field by its OpenAI name, not by token_router's input it travelled in
             msg = re.sub(r"\bsampling_parameters\.(?=\w)", "", msg)
