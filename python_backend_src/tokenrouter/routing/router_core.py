@@ -266,7 +266,7 @@ class PromptTooLong(ValueError):
     """A prompt with more tokens than allowed; ``counted`` is a lower bound of its length (tokens)."""
 
     def __init__(self, counted: int, limit: int):
-        super().__init__(f"prompt has more than {limit} tokens (at least {counted})")
+        super().__init__(f"prompt has at least {counted} tokens (counted until past the limit)")
         self.counted, self.limit = counted, limit
 
 

@@ -496,8 +496,7 @@ class TritonPythonModel:
             ids = encode_prompt(self.tokenizer, prompt, _bool_input(request, "apply_chat_template", False),
                                 max_prompt_tokens=self.context_length - 1)
         except PromptTooLong as e:
-            raise ClientError(f"prompt has at least {e.counted} tokens (counted until past the limit); "
-                              f"the context length is {self.context_length}") from None
+            raise ClientError(f"{e}; the context length is {self.context_length}") from None
         if len(ids) >= self.context_length:
             raise ClientError(f"prompt has {len(ids)} tokens; the context length is {self.context_length}")
         if len(ids) + sp.max_tokens > self.context_length:
