@@ -44,6 +44,11 @@ share (output tokens written by model 1 / all output tokens, from the routing tr
 per request, throughput (output tokens/s: all output tokens over the wall time of the point's
 runs, N closed-loop clients) and end-to-end latency p50/p90/p99.  Throughput and latency come
 from a quality run, not a steady-state benchmark: use ``perf/bench_matrix.py`` for speed.
+Under the table, one row per routing algorithm (:func:`curve_test`): its points pooled per
+problem against random routing interpolated to each point's share, the mean difference in pass@1
+with its 95 % interval and a sign-flip p-value: whether the curve beats random routing at equal
+share, which one point's McNemar test on ~100 problems rarely shows.  The table holds the points
+cached on every selected problem; the others are named below it.
 
 **Cache**: ``--out``/<pair>/<point>.json (default perf/results/quality/) holds the point's
 settings, its runs (wall time, tokens) and one record per problem (completion, passed, result,
@@ -101,7 +106,8 @@ ROOT = os.path.dirname(HERE)
 
 __all__ = ["PROMPT_FORMAT", "INSTRUCTION", "load_problems", "select_problems", "build_prompt",
            "extract_completion", "check_program", "run_program", "score", "wilson_interval",
-           "mcnemar_exact", "Point", "parse_points", "point_summary", "compare", "table", "plot", "router_tokenizer",
+           "mcnemar_exact", "random_curve", "random_at_share", "curve_test", "curve_tests",
+           "curve_table", "Point", "parse_points", "point_summary", "compare", "table", "plot", "router_tokenizer",
            "main"]
 
 PROMPT_FORMAT = "chat-prefill-v1"
@@ -689,6 +695,115 @@ def compare(rows: List[Dict[str, Any]]) -> None:
                               **mcnemar_exact(r["outcomes"], near["outcomes"])}
 
 
+def random_curve(rows: Sequence[Dict[str, Any]]) -> List[Tuple[float, Mapping[str, bool]]]:
+    """Random routing's outcomes by LLM share: slm-only at share 0 (random routing at p = 0),
+    the ``random:`` points at their measured shares, llm-only at share 1 (p = 1).
+
+    Returns:
+        ``[(llm_share, {task_id: passed}), ...]`` sorted by share; the baselines only where present.
+    """
+    curve = [(r["llm_share"], r["outcomes"]) for r in rows
+             if r["point"].startswith("random:") and not math.isnan(r["llm_share"])]
+    for r in rows:
+        if r["point"] in BASELINES:
+            curve.append((float(BASELINES.index(r["point"])), r["outcomes"]))
+    return sorted(curve, key=lambda c: c[0])
+
+
+def random_at_share(curve: Sequence[Tuple[float, Mapping[str, bool]]], share: float, task: str) -> float:
+    """Random routing's pass probability on ``task`` at LLM share ``share``: its outcomes (0 or 1) at
+    the two points of ``curve`` that bracket the share, interpolated linearly in the share (the
+    nearest point outside the curve's range).
+
+    Raises:
+        KeyError: a bracketing point lacks ``task``.
+    """
+    lo = max((c for c in curve if c[0] <= share), key=lambda c: c[0], default=curve[0])
+    hi = min((c for c in curve if c[0] >= share), key=lambda c: c[0], default=curve[-1])
+    if hi[0] == lo[0]:
+        return float(lo[1][task])
+    w = (share - lo[0]) / (hi[0] - lo[0])
+    return (1 - w) * float(lo[1][task]) + w * float(hi[1][task])
+
+
+def curve_test(points: Sequence[Dict[str, Any]], curve: Sequence[Tuple[float, Mapping[str, bool]]],
+               draws: int = 100_000, seed: int = 0) -> Dict[str, Any]:
+    """Pooled paired test of one algorithm's curve against random routing at equal LLM share.
+
+    Per problem i, ``d_i = (1/K) Σ_k (x_ki − r_i(s_k))`` over the algorithm's K points, where x_ki
+    is 1 when point k passes problem i and ``r_i(s_k)`` is random routing's outcome on i
+    interpolated to point k's LLM share (:func:`random_at_share`). The statistic is the mean of
+    d_i over the problems: pass@1 above random routing at the same share, averaged along the
+    curve. The problems are the independent units (a curve's points share them, so they are
+    pooled within a problem, never counted as separate samples). Two-sided p-value of a
+    sign-flip randomization test (Fisher 1935, §21; under H0, "the router picks its tokens no
+    better than chance at equal share", each d_i is symmetric about 0): ``draws`` random sign
+    vectors, p = (1 + #{|mean(±d)| ≥ |mean(d)|}) / (1 + draws). The 95 % interval of the mean
+    is Student's t over the problems.
+
+    Args:
+        points: rows of :func:`point_summary` of one algorithm (``llm_share``, ``outcomes``).
+        curve: :func:`random_curve`.
+
+    Returns:
+        ``{"points": K, "n": problems, "mean_diff": float (pass@1 fraction), "ci95": (low, high),
+        "p_value": float, "draws": int}``; the problems are those every point and every random
+        point has. ``n`` 0 (and nan statistics) when none is.
+    """
+    import numpy as np
+    from scipy.stats import t as student_t
+
+    tasks = set.intersection(*(set(p["outcomes"]) for p in points), *(set(c[1]) for c in curve))
+    tasks = sorted(tasks)
+    d = np.array([np.mean([float(p["outcomes"][t]) - random_at_share(curve, p["llm_share"], t) for p in points])
+                  for t in tasks])
+    n = len(d)
+    if n < 2:
+        return {"points": len(points), "n": n, "mean_diff": float("nan"), "ci95": (float("nan"), float("nan")),
+                "p_value": float("nan"), "draws": 0}
+    mean = float(d.mean())
+    half = float(student_t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n))
+    rng = np.random.default_rng(seed)
+    hits, left = 0, draws
+    while left:  # in blocks, so a large draw count does not hold a draws × n matrix
+        m = min(left, 10_000)
+        signs = rng.integers(0, 2, size=(m, n), dtype=np.int8) * 2 - 1
+        hits += int((np.abs(signs @ d) / n >= abs(mean) - 1e-12).sum())
+        left -= m
+    return {"points": len(points), "n": n, "mean_diff": mean, "ci95": (mean - half, mean + half),
+            "p_value": (1 + hits) / (1 + draws), "draws": draws}
+
+
+def curve_tests(rows: Sequence[Dict[str, Any]], draws: int = 100_000) -> Dict[str, Dict[str, Any]]:
+    """:func:`curve_test` for every routing algorithm with points in ``rows`` (not the baselines,
+    random routing, speculative decoding or the transformers reference), against
+    :func:`random_curve`; ``{}`` without a random point or a baseline."""
+    curve = random_curve(rows)
+    if not any(name.startswith("random:") for name in (r["point"] for r in rows)) or len(curve) < 2:
+        return {}
+    algos: Dict[str, List[Dict[str, Any]]] = {}
+    for r in rows:
+        algo = r["point"].split(":", 1)[0]
+        if (r["point"] in BASELINES or algo in ("random", "speculative") or r["point"].startswith("transformers-")
+                or math.isnan(r["llm_share"])):
+            continue
+        algos.setdefault(algo, []).append(r)
+    return {a: {**curve_test(ps, curve, draws), "shares": [round(p["llm_share"], 3) for p in ps]}
+            for a, ps in sorted(algos.items())}
+
+
+def curve_table(tests: Mapping[str, Mapping[str, Any]]) -> str:
+    """A markdown table of :func:`curve_tests`."""
+    lines = ["| algorithm | points (LLM shares) | problems | pass@1 above random routing at equal share "
+             "(mean over the curve) | 95 % CI | sign-flip p |", "|---|---|---|---|---|---|"]
+    for a, t in tests.items():
+        lo, hi = t["ci95"]
+        lines.append(f"| {a} | {t['points']} ({', '.join(f'{s:.2f}' for s in t['shares'])}) | {t['n']} "
+                     f"| {100 * t['mean_diff']:+.1f} points | {100 * lo:+.1f} to {100 * hi:+.1f} "
+                     f"| {t['p_value']:.2g} |")
+    return "\n".join(lines)
+
+
 def _test_cell(t: Optional[Dict[str, Any]], with_point: bool = False) -> str:
     if not t:
         return "—"
@@ -981,13 +1096,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if data.get("settings") == settings and data.get("point") not in caches:
             caches[data["point"]] = data
     rows = [point_summary(d, task_ids) for d in caches.values()]
-    rows = [r for r in rows if r["n"]]
+    # a point cached on only some of the selected problems would be compared on other problems than the
+    # rest: named, not tabled (the transformers reference is compared on the problems both have)
+    partial = sorted((r for r in rows if 0 < r["n"] < len(task_ids) and not r["point"].startswith("transformers-")),
+                     key=_row_order)
+    rows = [r for r in rows if r["n"] and r not in partial]
     rows.sort(key=_row_order)
     compare(rows)
     print(f"\nHumanEval pass@1, pair {a.pair}, {len(task_ids)} problems selected ({a.problems}), prompt "
           f"{PROMPT_FORMAT}, greedy, max_tokens {a.max_tokens}, N = {a.concurrency}; b/c = problems only "
           "this point passes / only the other passes, exact McNemar p\n")
     print(table(rows))
+    if partial:
+        print("\nNot in the table, cached on only some of these problems (select those, or run the rest): "
+              + ", ".join(f"{r['point']} ({r['n']} of {len(task_ids)})" for r in partial))
+    curves = curve_tests(rows)
+    if curves:
+        print("\nEach algorithm's curve against random routing at equal LLM share (paired per problem; "
+              "random routing interpolated between its points, slm-only at 0 and llm-only at 1):\n")
+        print(curve_table(curves))
     ref = reference_report(rows, caches)
     if ref:
         print("\nServed against plain transformers:\n" + ref)
@@ -995,7 +1122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(summary)), exist_ok=True)
     with open(summary, "w", encoding="utf-8") as f:
         json.dump({"settings": settings, "problems": task_ids,
-                   "rows": [{k: v for k, v in r.items() if k != "outcomes"} for r in rows]}, f, indent=1)
+                   "rows": [{k: v for k, v in r.items() if k != "outcomes"} for r in rows],
+                   "curve_tests": curves}, f, indent=1)
     if a.plot:
         print(f"plot: {plot(rows, a.plot, f'HumanEval ({len(task_ids)} problems), {a.pair} pair')}")
     return 0

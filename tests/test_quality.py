@@ -217,6 +217,52 @@ def test_summary_and_comparisons():
     assert "| rstitch:tau=0.1 | 4 | 100.0 % | 51.0–100.0 | 150 % | 0.240 |" in table
 
 
+def test_random_routing_interpolated_to_a_share():
+    """slm-only is random routing at share 0 and llm-only at share 1; between points, linear in the share."""
+    rows = [{"point": "slm-only", "llm_share": 0.0, "outcomes": {"a": False, "b": False}},
+            {"point": "random:p=0.5", "llm_share": 0.4, "outcomes": {"a": True, "b": False}},
+            {"point": "llm-only", "llm_share": 1.0, "outcomes": {"a": True, "b": True}},
+            {"point": "citer:tau=0.9", "llm_share": 0.2, "outcomes": {"a": True, "b": True}}]
+    curve = quality.random_curve(rows)
+    assert [c[0] for c in curve] == [0.0, 0.4, 1.0]
+    assert quality.random_at_share(curve, 0.1, "a") == pytest.approx(0.25)
+    assert quality.random_at_share(curve, 0.4, "a") == 1.0 and quality.random_at_share(curve, 0.4, "b") == 0.0
+    assert quality.random_at_share(curve, 0.7, "b") == pytest.approx(0.5)
+    assert quality.random_at_share(curve[1:2], 0.9, "a") == 1.0  # outside the range: the nearest point
+
+
+def test_curve_test_against_exact_enumeration():
+    """The sign-flip p-value matches the exact one over all 2^n sign vectors; the t interval matches
+    scipy's; a curve equal to random routing gives mean 0 and p = 1."""
+    import itertools
+
+    import numpy as np
+    from scipy.stats import t as student_t
+
+    ids = [f"t{i}" for i in range(9)]
+    slm = {"point": "slm-only", "llm_share": 0.0, "outcomes": dict.fromkeys(ids, False)}
+    rnd = {"point": "random:p=0.3", "llm_share": 0.3,
+           "outcomes": {t: i in (0, 5) for i, t in enumerate(ids)}}
+    llm = {"point": "llm-only", "llm_share": 1.0, "outcomes": dict.fromkeys(ids, True)}
+    pts = [{"point": "x:a=1", "llm_share": 0.15, "outcomes": {t: i in (0, 1, 2, 3, 6) for i, t in enumerate(ids)}},
+           {"point": "x:a=2", "llm_share": 0.3, "outcomes": {t: i in (0, 1, 2, 3, 4, 7) for i, t in enumerate(ids)}}]
+    curve = quality.random_curve([slm, rnd, llm])
+    r = quality.curve_test(pts, curve, draws=200_000)
+    d = np.array([np.mean([float(p["outcomes"][t]) - quality.random_at_share(curve, p["llm_share"], t)
+                           for p in pts]) for t in ids])
+    exact = np.mean([abs(np.dot(s, d)) >= abs(d.sum()) - 1e-12 for s in itertools.product((-1, 1), repeat=len(d))])
+    assert r["n"] == 9 and r["points"] == 2 and r["mean_diff"] == pytest.approx(d.mean())
+    assert r["p_value"] == pytest.approx(exact, abs=0.01) and 0 < exact < 0.1
+    half = student_t.ppf(0.975, 8) * d.std(ddof=1) / 3
+    assert r["ci95"][0] == pytest.approx(d.mean() - half) and r["ci95"][1] == pytest.approx(d.mean() + half)
+    same = quality.curve_test([{**rnd, "point": "y:a=1"}], curve, draws=1000)
+    assert same["mean_diff"] == 0 and same["p_value"] == 1.0
+    tests = quality.curve_tests([slm, rnd, llm, *pts], draws=1000)
+    assert list(tests) == ["x"] and tests["x"]["shares"] == [0.15, 0.3]
+    assert quality.curve_tests([slm, llm, *pts]) == {}  # no random point: no test
+    assert quality.curve_table(tests).count("\n") == 2
+
+
 def test_cache_with_other_settings_is_refused(tmp_path):
     pt = quality.Point("slm-only", "none", {"model": 0})
     path = str(tmp_path / "slm-only.json")
