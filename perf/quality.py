@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -107,7 +108,7 @@ ROOT = os.path.dirname(HERE)
 __all__ = ["PROMPT_FORMAT", "INSTRUCTION", "load_problems", "select_problems", "build_prompt",
            "extract_completion", "check_program", "run_program", "score", "wilson_interval",
            "mcnemar_exact", "random_curve", "random_at_share", "curve_test", "curve_tests",
-           "curve_table", "Point", "parse_points", "point_summary", "compare", "table", "plot", "router_tokenizer",
+           "holm", "curve_table", "Point", "parse_points", "point_summary", "compare", "table", "plot", "router_tokenizer",
            "main"]
 
 PROMPT_FORMAT = "chat-prefill-v1"
@@ -700,7 +701,8 @@ def random_curve(rows: Sequence[Dict[str, Any]]) -> List[Tuple[float, Mapping[st
     the ``random:`` points at their measured shares, llm-only at share 1 (p = 1).
 
     Returns:
-        ``[(llm_share, {task_id: passed}), ...]`` sorted by share; the baselines only where present.
+        ``[(llm_share, {task_id: passed}), ...]`` sorted by share (a fraction in [0, 1]); the
+        baselines only where present.
     """
     curve = [(r["llm_share"], r["outcomes"]) for r in rows
              if r["point"].startswith("random:") and not math.isnan(r["llm_share"])]
@@ -711,12 +713,15 @@ def random_curve(rows: Sequence[Dict[str, Any]]) -> List[Tuple[float, Mapping[st
 
 
 def random_at_share(curve: Sequence[Tuple[float, Mapping[str, bool]]], share: float, task: str) -> float:
-    """Random routing's pass probability on ``task`` at LLM share ``share``: its outcomes (0 or 1) at
-    the two points of ``curve`` that bracket the share, interpolated linearly in the share (the
-    nearest point outside the curve's range).
+    """Random routing's pass probability on ``task`` at LLM-token share ``share`` (a fraction in
+    [0, 1]): its outcomes (0 or 1) at the two points of ``curve`` (:func:`random_curve`) that
+    bracket the share, interpolated linearly in the share (the nearest point outside the curve's
+    range).  Random routing's pass@1 rises steeply at small shares and then flattens (HumanEval,
+    docs/performance.md), so a straight line between two points lies a little under it: the
+    interpolation favours the router compared, the less so the closer the random points.
 
     Raises:
-        KeyError: a bracketing point lacks ``task``.
+        KeyError: a bracketing point lacks ``task``.  IndexError: ``curve`` is empty.
     """
     lo = max((c for c in curve if c[0] <= share), key=lambda c: c[0], default=curve[0])
     hi = min((c for c in curve if c[0] >= share), key=lambda c: c[0], default=curve[-1])
@@ -727,60 +732,101 @@ def random_at_share(curve: Sequence[Tuple[float, Mapping[str, bool]]], share: fl
 
 
 def curve_test(points: Sequence[Dict[str, Any]], curve: Sequence[Tuple[float, Mapping[str, bool]]],
-               draws: int = 100_000, seed: int = 0) -> Dict[str, Any]:
+               draws: int = 1_000_000, seed: int = 0) -> Dict[str, Any]:
     """Pooled paired test of one algorithm's curve against random routing at equal LLM share.
 
     Per problem i, ``d_i = (1/K) Σ_k (x_ki − r_i(s_k))`` over the algorithm's K points, where x_ki
     is 1 when point k passes problem i and ``r_i(s_k)`` is random routing's outcome on i
-    interpolated to point k's LLM share (:func:`random_at_share`). The statistic is the mean of
-    d_i over the problems: pass@1 above random routing at the same share, averaged along the
-    curve. The problems are the independent units (a curve's points share them, so they are
-    pooled within a problem, never counted as separate samples). Two-sided p-value of a
-    sign-flip randomization test (Fisher 1935, §21; under H0, "the router picks its tokens no
-    better than chance at equal share", each d_i is symmetric about 0): ``draws`` random sign
-    vectors, p = (1 + #{|mean(±d)| ≥ |mean(d)|}) / (1 + draws). The 95 % interval of the mean
-    is Student's t over the problems.
+    interpolated to point k's LLM share (:func:`random_at_share`).  The statistic is the mean of
+    d_i over the problems: pass@1 above random routing at the same share, averaged over the
+    curve's points with equal weight wherever their shares fall (not an area between curves, so
+    two algorithms' figures compare only at similar shares).  The problems are the independent
+    units: a curve's points share them, so they are pooled within a problem, never counted as
+    separate samples.
+
+    The p-value (two-sided) is a sign-flip randomization test of mean 0 (Fisher 1935, §21): the
+    share of sign vectors ε with ``|Σ ε_i d_i| ≥ |Σ d_i|``, over all 2^n of them where
+    ``2^n ≤ draws``, else over ``draws`` random ones with the +1 correction,
+    ``(1 + hits) / (1 + draws)`` (Phipson & Smyth 2010); its Monte-Carlo standard error is
+    ``mc_error``.  The test is approximate: it assumes each d_i symmetric about 0 under the null,
+    which the null "the router picks no better than chance at equal share" makes plausible but
+    does not imply (the router is deterministic, r_i mixes two random runs at other shares).
+    The 95 % interval of the mean is Student's t with n − 1 degrees of freedom.
 
     Args:
-        points: rows of :func:`point_summary` of one algorithm (``llm_share``, ``outcomes``).
-        curve: :func:`random_curve`.
+        points: rows of :func:`point_summary` of one algorithm (``llm_share``, ``outcomes``);
+            at least one.
+        curve: :func:`random_curve`, not empty.
+        draws: sign vectors sampled when the problems are too many to enumerate.
+        seed: of the sampling (numpy's default generator), so a report is reproducible.
 
     Returns:
-        ``{"points": K, "n": problems, "mean_diff": float (pass@1 fraction), "ci95": (low, high),
-        "p_value": float, "draws": int}``; the problems are those every point and every random
-        point has. ``n`` 0 (and nan statistics) when none is.
+        ``{"points": K, "n": problems, "mean_diff": float (a fraction of problems: 0.01 is one
+        point of pass@1), "ci95": (low, high), "p_value": float, "draws": int (0 when
+        enumerated), "mc_error": float}`` over the problems every point and every curve point
+        has; with n < 2 the statistics are None.
+
+    Raises:
+        ValueError: ``points`` or ``curve`` is empty.
     """
     import numpy as np
     from scipy.stats import t as student_t
 
-    tasks = set.intersection(*(set(p["outcomes"]) for p in points), *(set(c[1]) for c in curve))
-    tasks = sorted(tasks)
+    if not points or not curve:
+        raise ValueError("curve_test needs at least one point and a random-routing curve")
+    tasks = sorted(set.intersection(*(set(p["outcomes"]) for p in points), *(set(c[1]) for c in curve)))
     d = np.array([np.mean([float(p["outcomes"][t]) - random_at_share(curve, p["llm_share"], t) for p in points])
                   for t in tasks])
     n = len(d)
     if n < 2:
-        return {"points": len(points), "n": n, "mean_diff": float("nan"), "ci95": (float("nan"), float("nan")),
-                "p_value": float("nan"), "draws": 0}
+        return {"points": len(points), "n": n, "mean_diff": None, "ci95": None, "p_value": None, "draws": 0,
+                "mc_error": None}
     mean = float(d.mean())
     half = float(student_t.ppf(0.975, n - 1) * d.std(ddof=1) / math.sqrt(n))
-    rng = np.random.default_rng(seed)
-    hits, left = 0, draws
-    while left:  # in blocks, so a large draw count does not hold a draws × n matrix
-        m = min(left, 10_000)
-        signs = rng.integers(0, 2, size=(m, n), dtype=np.int8) * 2 - 1
-        hits += int((np.abs(signs @ d) / n >= abs(mean) - 1e-12).sum())
-        left -= m
+    observed = abs(d.sum()) - 1e-9  # ties (e.g. the identity flip) count as hits
+    if 2 ** n <= draws:
+        signs = np.array(list(itertools.product((-1, 1), repeat=n)), dtype=np.float64)
+        p, used, err = float((np.abs(signs @ d) >= observed).mean()), 0, 0.0
+    else:
+        rng = np.random.default_rng(seed)
+        hits, left = 0, draws
+        while left:  # in blocks, so a large draw count does not hold a draws × n matrix
+            m = min(left, 20_000)
+            signs = rng.integers(0, 2, size=(m, n), dtype=np.int8).astype(np.float64) * 2 - 1
+            hits += int((np.abs(signs @ d) >= observed).sum())
+            left -= m
+        p, used = (1 + hits) / (1 + draws), draws
+        err = math.sqrt(p * (1 - p) / draws)
     return {"points": len(points), "n": n, "mean_diff": mean, "ci95": (mean - half, mean + half),
-            "p_value": (1 + hits) / (1 + draws), "draws": draws}
+            "p_value": p, "draws": used, "mc_error": err}
 
 
-def curve_tests(rows: Sequence[Dict[str, Any]], draws: int = 100_000) -> Dict[str, Dict[str, Any]]:
+def holm(p_values: Mapping[str, float]) -> Dict[str, float]:
+    """Holm's step-down adjustment of several p-values (Holm 1979): the k-th smallest of m times
+    (m − k + 1), made non-decreasing, capped at 1.  ``{name: p}`` in, ``{name: adjusted p}`` out."""
+    order = sorted(p_values, key=lambda k: p_values[k])
+    out, running = {}, 0.0
+    for k, name in enumerate(order):
+        running = max(running, min(1.0, (len(order) - k) * p_values[name]))
+        out[name] = running
+    return out
+
+
+def curve_tests(rows: Sequence[Dict[str, Any]], draws: int = 1_000_000) -> Dict[str, Dict[str, Any]]:
     """:func:`curve_test` for every routing algorithm with points in ``rows`` (not the baselines,
     random routing, speculative decoding or the transformers reference), against
-    :func:`random_curve`; ``{}`` without a random point or a baseline."""
-    curve = random_curve(rows)
-    if not any(name.startswith("random:") for name in (r["point"] for r in rows)) or len(curve) < 2:
+    :func:`random_curve`.
+
+    Returns:
+        ``{algorithm: {**curve_test(...), "shares": [LLM share of each point], "p_holm": the
+        p-value adjusted over the algorithms tested together (:func:`holm`)}}``; ``{}`` unless
+        ``rows`` hold slm-only, llm-only and at least one random point (without both baselines
+        the curve's ends would be extrapolated flat).
+    """
+    names = {r["point"] for r in rows}
+    if not set(BASELINES) <= names or not any(n.startswith("random:") for n in names):
         return {}
+    curve = random_curve(rows)
     algos: Dict[str, List[Dict[str, Any]]] = {}
     for r in rows:
         algo = r["point"].split(":", 1)[0]
@@ -788,19 +834,28 @@ def curve_tests(rows: Sequence[Dict[str, Any]], draws: int = 100_000) -> Dict[st
                 or math.isnan(r["llm_share"])):
             continue
         algos.setdefault(algo, []).append(r)
-    return {a: {**curve_test(ps, curve, draws), "shares": [round(p["llm_share"], 3) for p in ps]}
-            for a, ps in sorted(algos.items())}
+    out = {a: {**curve_test(ps, curve, draws), "shares": [round(p["llm_share"], 3) for p in ps]}
+           for a, ps in sorted(algos.items())}
+    adjusted = holm({a: t["p_value"] for a, t in out.items() if t["p_value"] is not None})
+    for a, t in out.items():
+        t["p_holm"] = adjusted.get(a)
+    return out
 
 
 def curve_table(tests: Mapping[str, Mapping[str, Any]]) -> str:
-    """A markdown table of :func:`curve_tests`."""
+    """A markdown table of :func:`curve_tests`: the mean difference and its interval in points of
+    pass@1 (percentage points), the sign-flip p-value and its Holm adjustment; "—" where fewer
+    than 2 problems are common to the points."""
     lines = ["| algorithm | points (LLM shares) | problems | pass@1 above random routing at equal share "
-             "(mean over the curve) | 95 % CI | sign-flip p |", "|---|---|---|---|---|---|"]
+             "(mean over the curve) | 95 % CI | sign-flip p | Holm-adjusted p |", "|---|---|---|---|---|---|---|"]
     for a, t in tests.items():
+        shares = f"{t['points']} ({', '.join(f'{s:.2f}' for s in t['shares'])})"
+        if t["mean_diff"] is None:
+            lines.append(f"| {a} | {shares} | {t['n']} | — | — | — | — |")
+            continue
         lo, hi = t["ci95"]
-        lines.append(f"| {a} | {t['points']} ({', '.join(f'{s:.2f}' for s in t['shares'])}) | {t['n']} "
-                     f"| {100 * t['mean_diff']:+.1f} points | {100 * lo:+.1f} to {100 * hi:+.1f} "
-                     f"| {t['p_value']:.2g} |")
+        lines.append(f"| {a} | {shares} | {t['n']} | {100 * t['mean_diff']:+.1f} points "
+                     f"| {100 * lo:+.1f} to {100 * hi:+.1f} | {t['p_value']:.2g} | {t['p_holm']:.2g} |")
     return "\n".join(lines)
 
 

@@ -247,20 +247,36 @@ def test_curve_test_against_exact_enumeration():
     pts = [{"point": "x:a=1", "llm_share": 0.15, "outcomes": {t: i in (0, 1, 2, 3, 6) for i, t in enumerate(ids)}},
            {"point": "x:a=2", "llm_share": 0.3, "outcomes": {t: i in (0, 1, 2, 3, 4, 7) for i, t in enumerate(ids)}}]
     curve = quality.random_curve([slm, rnd, llm])
-    r = quality.curve_test(pts, curve, draws=200_000)
+    r = quality.curve_test(pts, curve)  # 2^9 sign vectors: enumerated
     d = np.array([np.mean([float(p["outcomes"][t]) - quality.random_at_share(curve, p["llm_share"], t)
                            for p in pts]) for t in ids])
     exact = np.mean([abs(np.dot(s, d)) >= abs(d.sum()) - 1e-12 for s in itertools.product((-1, 1), repeat=len(d))])
     assert r["n"] == 9 and r["points"] == 2 and r["mean_diff"] == pytest.approx(d.mean())
-    assert r["p_value"] == pytest.approx(exact, abs=0.01) and 0 < exact < 0.1
+    assert r["p_value"] == pytest.approx(exact) and r["draws"] == 0 and 0 < exact < 0.1
+    sampled = quality.curve_test(pts, curve, draws=400)  # fewer draws than sign vectors: sampled
+    assert sampled["draws"] == 400 and 0 < sampled["mc_error"] < 0.02
+    assert sampled["p_value"] == pytest.approx(exact, abs=4 * sampled["mc_error"] + 1 / 401)
     half = student_t.ppf(0.975, 8) * d.std(ddof=1) / 3
     assert r["ci95"][0] == pytest.approx(d.mean() - half) and r["ci95"][1] == pytest.approx(d.mean() + half)
     same = quality.curve_test([{**rnd, "point": "y:a=1"}], curve, draws=1000)
     assert same["mean_diff"] == 0 and same["p_value"] == 1.0
     tests = quality.curve_tests([slm, rnd, llm, *pts], draws=1000)
     assert list(tests) == ["x"] and tests["x"]["shares"] == [0.15, 0.3]
+    assert tests["x"]["p_holm"] == tests["x"]["p_value"]  # one curve: nothing to adjust
     assert quality.curve_tests([slm, llm, *pts]) == {}  # no random point: no test
+    assert quality.curve_tests([rnd, *pts]) == {}  # no baselines: the curve's ends unknown
     assert quality.curve_table(tests).count("\n") == 2
+    one = quality.curve_test([{**pts[0], "outcomes": {"t0": True}}], curve)
+    assert one["n"] == 1 and one["p_value"] is None and "| — |" in quality.curve_table({"x": {**one, "shares": [0.15]}})
+    with pytest.raises(ValueError):
+        quality.curve_test([], curve)
+
+
+def test_holm_adjustment():
+    """Holm 1979: the k-th smallest of m p-values times m − k + 1, non-decreasing, at most 1."""
+    adj = quality.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.5})
+    assert adj == pytest.approx({"a": 0.04, "c": 0.09, "b": 0.09, "d": 0.5})
+    assert quality.holm({"a": 0.6, "b": 0.7}) == pytest.approx({"a": 1.0, "b": 1.0})
 
 
 def test_cache_with_other_settings_is_refused(tmp_path):
