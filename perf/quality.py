@@ -22,7 +22,7 @@ does), one user turn ``INSTRUCTION`` holding the HumanEval prompt in a ```` ```p
 block, and the assistant turn pre-filled with ```` ```python\\n ```` followed by the HumanEval
 prompt verbatim; the request is sent with ``apply_chat_template`` false, so the model continues
 the function body exactly after the prompt.  Greedy (``temperature`` 0), ``max_tokens``
-(default 512), generation stopped at the closing ```` ``` ```` (``stop`` string) or EOS / end
+(default 384), generation stopped at the closing ```` ``` ```` (``stop`` string) or EOS / end
 of turn.  The completion is the generated text up to the first ```` ``` ````; the program run is
 HumanEval's: ``prompt + completion + "\\n" + test + "\\ncheck(entry_point)"``.
 
@@ -517,6 +517,27 @@ def generate_one(url: str, router: str, prompt: str, sampling: Dict[str, Any],
             "ttft_s": (first[0] - t0) if first else float("nan"), "e2e_s": t1 - t0}
 
 
+def host_cpu() -> str:
+    """This machine's CPU model (``/proc/cpuinfo``'s model name, else ``platform.processor()``) and
+    its bf16 instruction sets: greedy bfloat16 output can differ between hosts, so every run of a
+    point records where it ran."""
+    import platform
+
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name") and name in (platform.processor(), platform.machine()):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    bf16 = sorted(f for f in flags if "bf16" in f)
+    return f"{name} ({', '.join(bf16)})" if bf16 else name
+
+
 def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompts: Mapping[str, str], args,
               on_answer: Optional[Callable[[str, Dict[str, Any]], None]] = None
               ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
@@ -560,7 +581,7 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
     pool.shutdown()
     run = {"problems": len(problems), "errors": errors, "wall_s": time.perf_counter() - t0,
            "output_tokens": tokens, "concurrency": args.concurrency,
-           "finished": time.strftime("%Y-%m-%dT%H:%M:%S")}
+           "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_cpu()}
     return answers, run
 
 
@@ -1023,7 +1044,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="an algorithm at several values of one parameter, with fixed other parameters, e.g. "
                          "rstitch:tau=0.05,0.1,0.2 or citer:tau=0.5,0.8:router=FILE (repeatable)")
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients (default 8)")
-    ap.add_argument("--max-tokens", type=int, default=512, help="output tokens per problem at most (default 512)")
+    ap.add_argument("--max-tokens", type=int, default=384, help="output tokens per problem at most (default 384)")
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds without a response before a request is given up (default 600)")
     ap.add_argument("--exec-timeout", type=float, default=10.0, help="wall seconds per test program (default 10)")
@@ -1139,7 +1160,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     save_cache(path, data)
                 data["runs"].append({"problems": len(missing), "errors": [], "wall_s": time.perf_counter() - t0,
                                      "output_tokens": tokens, "concurrency": 1,
-                                     "finished": time.strftime("%Y-%m-%dT%H:%M:%S")})
+                                     "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_cpu()})
                 save_cache(path, data)
     # every cached point of the pair with these settings, on the selected problems
     pair_dir = os.path.join(a.out, a.pair)
@@ -1153,8 +1174,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = [point_summary(d, task_ids) for d in caches.values()]
     # a point cached on only some of the selected problems would be compared on other problems than the
     # rest: named, not tabled (the transformers reference is compared on the problems both have)
-    partial = sorted((r for r in rows if 0 < r["n"] < len(task_ids) and not r["point"].startswith("transformers-")),
-                     key=_row_order)
+    every_row = [r for r in rows if r["n"]]  # the transformers comparison pairs on the problems both have
+    partial = sorted((r for r in rows if 0 < r["n"] < len(task_ids)), key=_row_order)
     rows = [r for r in rows if r["n"] and r not in partial]
     rows.sort(key=_row_order)
     compare(rows)
@@ -1170,7 +1191,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\nEach algorithm's curve against random routing at equal LLM share (paired per problem; "
               "random routing interpolated between its points, slm-only at 0 and llm-only at 1):\n")
         print(curve_table(curves))
-    ref = reference_report(rows, caches)
+    ref = reference_report(every_row, caches)
     if ref:
         print("\nServed against plain transformers:\n" + ref)
     summary = a.json or os.path.join(pair_dir, "summary.json")

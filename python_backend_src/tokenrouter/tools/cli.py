@@ -175,6 +175,9 @@ def main(argv: Optional[list] = None) -> int:
 
     try:
         out = stream_generate(a.url, a.prompt, sampling, chat=not a.no_chat, trace=a.trace, on_text=show)
+    except KeyboardInterrupt:  # Ctrl-C: the stream closes, and the server cancels the request
+        print(("\n" if streamed else "") + "cancelled", file=sys.stderr)
+        return 130
     except Exception as e:  # noqa: BLE001
         print(("\n" if streamed else "") + f"error: {e}", file=sys.stderr)
         return 1
