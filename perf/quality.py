@@ -523,17 +523,19 @@ def host_cpu() -> str:
     point records where it ran."""
     import platform
 
-    name, flags = platform.processor() or platform.machine(), set()
+    name, flags = "", set()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
             for line in f:
-                if line.startswith("model name") and name in (platform.processor(), platform.machine()):
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and not name:
+                    name = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
                     break
     except OSError:
         pass
+    name = name or platform.processor() or platform.machine()
     bf16 = sorted(f for f in flags if "bf16" in f)
     return f"{name} ({', '.join(bf16)})" if bf16 else name
 
@@ -1176,7 +1178,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # rest: named, not tabled (the transformers reference is compared on the problems both have)
     every_row = [r for r in rows if r["n"]]  # the transformers comparison pairs on the problems both have
     partial = sorted((r for r in rows if 0 < r["n"] < len(task_ids)), key=_row_order)
-    rows = [r for r in rows if r["n"] and r not in partial]
+    rows = [r for r in rows if r["n"] == len(task_ids)]
     rows.sort(key=_row_order)
     compare(rows)
     print(f"\nHumanEval pass@1, pair {a.pair}, {len(task_ids)} problems selected ({a.problems}), prompt "
