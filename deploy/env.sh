@@ -5,9 +5,9 @@
 #
 # Sourceable, idempotent and silent when everything is in place. On first use it
 # creates a virtual environment from deploy/requirements.txt and
-# deploy/requirements-nodeps.txt under
+# deploy/requirements-nodeps.txt (and the tasks of perf/quality.py, deploy/requirements-tasks.txt) under
 #   ${TOKENROUTER_CACHE:-$HOME/.cache/tokenrouter}/venv-<hash>
-# where <hash> covers both requirement files (without comments) and the Python build, so fresh clones
+# where <hash> covers the requirement files (without comments) and the Python build, so fresh clones
 # (CI) reuse it. Creation is serialised with flock and marked complete by a file
 # written last; a half-built venv is rebuilt.
 #
@@ -95,7 +95,9 @@ _tr_build_venv() {
         "$venv/bin/python" -m pip install --no-input --progress-bar off \
             -r "$root/deploy/requirements.txt" &&
         "$venv/bin/python" -m pip install --no-input --progress-bar off --no-deps \
-            -r "$root/deploy/requirements-nodeps.txt"
+            -r "$root/deploy/requirements-nodeps.txt" &&
+        "$venv/bin/python" -m pip install --no-input --progress-bar off --no-deps --only-binary :all: \
+            --require-hashes -r "$root/deploy/requirements-tasks.txt"
     } >"$log" 2>&1 || {
         _tr_err "building the venv failed; last lines of $log:"
         tail -n 30 "$log" >&2
@@ -120,7 +122,8 @@ _tr_env_main() {
         return 1
     fi
     local f
-    for f in "$root/deploy/requirements.txt" "$root/deploy/requirements-nodeps.txt"; do
+    for f in "$root/deploy/requirements.txt" "$root/deploy/requirements-nodeps.txt" \
+        "$root/deploy/requirements-tasks.txt"; do
         [[ -r "$f" ]] || { _tr_err "missing $f"; return 1; }
     done
 
@@ -142,7 +145,7 @@ print(sys.version.replace("\n", " "), sys.base_prefix, sysconfig.get_platform())
     local hash
     # the requirements themselves, not their comments: editing a comment does not rebuild the venv
     hash=$( { sed -e 's/[[:space:]]*#.*//' -e '/^[[:space:]]*$/d' "$root/deploy/requirements.txt" \
-        "$root/deploy/requirements-nodeps.txt"; echo "$pyid"; } | sha256sum | cut -c1-12) || return 1
+        "$root/deploy/requirements-nodeps.txt" "$root/deploy/requirements-tasks.txt"; echo "$pyid"; } | sha256sum | cut -c1-12) || return 1
     local venv="$cache/venv-$hash"
 
     mkdir -p "$cache" || { _tr_err "cannot create $cache"; return 1; }

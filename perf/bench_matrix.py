@@ -136,12 +136,13 @@ def _prompts() -> List[str]:
         return [line.strip() for line in f if line.strip()]
 
 
-def _humaneval(repo: str) -> List[str]:
-    """``--prompts humaneval``: the 164 HumanEval prompts as ``perf/quality.py`` renders them with the
-    router's tokenizer (chat template applied client-side: sent with ``apply_chat_template`` false)."""
-    from quality import humaneval_prompts, router_tokenizer
+def _task_prompts(repo: str, task: str) -> List[str]:
+    """``--prompts TASK``: a task's prompts as ``perf/quality.py`` renders them with the router's
+    tokenizer (chat template applied client-side: sent with ``apply_chat_template`` false): HumanEval's
+    164, or the test split of gsm-symbolic (300) or math500 (251)."""
+    from quality import router_tokenizer, task_prompts
 
-    return humaneval_prompts(router_tokenizer(repo))
+    return task_prompts(router_tokenizer(repo), task, "all" if task == "humaneval" else "test")
 
 
 def _events_size(path: str) -> int:
@@ -296,10 +297,11 @@ def measure_cell(target, prompts: List[str], N: int, L: int, args, model: str = 
         ``cpu_share`` (``{role: CPU seconds / wall seconds}`` of the measurement: 1.0 = one core
         busy) when ``cpu`` is given.
     """
-    if args.prompts == "humaneval":  # rendered client-side (no chat template), stopped as quality.py stops
+    if args.prompts != "generic":  # a task's: rendered client-side (no chat template), stopped as quality.py stops
         from quality import task_sampling
 
-        target = task_sampling(triton_client(target, model, chat=False) if isinstance(target, str) else target)
+        target = task_sampling(triton_client(target, model, chat=False) if isinstance(target, str) else target,
+                               args.prompts)
     marks: List[tuple] = []
     stats = probe
     if cpu is not None:
@@ -476,7 +478,7 @@ def run_pair(pair: str, args, results: Dict[str, Any], out_dir: str) -> None:
     rp = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters
     tok = load_tokenizer(resolve_model_path(rp["tokenizer_path"].string_value if "tokenizer_path" in rp
                                             else "smollm2-135m-instruct"))
-    prompts = _prompts() if args.prompts == "generic" else _humaneval(repo)
+    prompts = _prompts() if args.prompts == "generic" else _task_prompts(repo, args.prompts)
     # with --repeats the no-Triton workers run beside the server and their cells interleave with the
     # others, so that ratio is paired too (the idle side's processes use a little CPU, 0.02-0.05
     # cores on the size-realistic pair: the CPU table reads both sides).  Both sets of models are
@@ -605,7 +607,7 @@ class NoTriton:
     Args:
         pair: the pair's name (for the log line).
         repo: the variant repository whose model configs the workers take.
-        chat: apply the chat template to the prompts (false: ``--prompts humaneval``, rendered).
+        chat: apply the chat template to the prompts (false: a task's ``--prompts``, rendered).
 
     Raises:
         RuntimeError: a worker did not come up.
@@ -1029,12 +1031,13 @@ def main(argv=None) -> int:
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the models' stream_interval: committed tokens per streamed message, the first "
                          "token at once (default 1; every mode, no-triton too, in the variant repository)")
-    ap.add_argument("--prompts", choices=("generic", "humaneval"), default="generic",
+    ap.add_argument("--prompts", choices=("generic", "humaneval", "gsm-symbolic", "math500"), default="generic",
                     help="the requests' prompts: generic = perf/prompts.txt with the chat template applied "
                          "by the server (default); humaneval = HumanEval's 164 problems as perf/quality.py "
                          "sends them, each request stopped where a quality run's stops (the code block's "
                          "end or EOS; --max-tokens is the cap), so the LLM-token share and output "
-                         "lengths are those of the quality figures")
+                         "lengths are those of the quality figures; gsm-symbolic / math500: the test "
+                         "split of that task (perf/tasks.py), stopped at EOS")
     ap.add_argument("--full", action="store_true", help="issue-size settings for GPU hosts")
     ap.add_argument("--out", default=os.path.join(HERE, "results", time.strftime("matrix-%Y%m%d-%H%M%S")))
     a = ap.parse_args(argv)

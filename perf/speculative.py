@@ -67,7 +67,7 @@ def _delta(a, b, model, key):
 
 
 def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duration: float, windows: int,
-                tokenizer, chat: bool = True) -> dict:
+                tokenizer, chat: bool = True, task: str = "humaneval") -> dict:
     """One steady-state measurement of router model ``router`` at concurrency ``n`` (``chat``: the
     server applies the chat template; false for prompts rendered client-side).  The models'
     prefix caches are emptied first: every setting sends the same prompts from the first one on,
@@ -77,10 +77,10 @@ def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duratio
     for m in ("slm", "llm"):
         admin.flush(url, m)
     gen = triton_client(url, router, chat=chat)
-    if not chat:  # HumanEval: requests stop as perf/quality.py's do (code block's end, EOS)
+    if not chat:  # a task's: requests stop as perf/quality.py's do (HumanEval: code block's end; EOS)
         from quality import task_sampling
 
-        gen = task_sampling(gen)
+        gen = task_sampling(gen, task)
     load = SteadyLoad(gen, prompts, n, max_tokens, tokenizer=tokenizer).start()
     try:
         m = load.measure(duration, windows, probe=lambda: _stats(url), since=load.t_started)
@@ -117,10 +117,10 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--kv-pool-tokens", type=int, default=16384)
-    ap.add_argument("--prompts", choices=("chat", "humaneval"), default="chat",
+    ap.add_argument("--prompts", choices=("chat", "humaneval", "gsm-symbolic", "math500"), default="chat",
                     help="chat = data/router_prompts.jsonl with the server's chat template (default); "
                          "humaneval = HumanEval's 164 problems as perf/quality.py renders and stops them "
-                         "(--max-tokens is then the cap)")
+                         "(--max-tokens is then the cap); gsm-symbolic / math500: that task's test split")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from tokenrouter.tools.repository import make_variant
@@ -138,10 +138,10 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-speculative-")
     repo = make_variant(str(ROOT / "model_repository"), os.path.join(tmp, "repo"), pair=a.pair,
                         model_params={"slm": pool, "llm": pool}, routers=routers)
-    if a.prompts == "humaneval":
-        from quality import humaneval_prompts, router_tokenizer
+    if a.prompts != "chat":
+        from quality import router_tokenizer, task_prompts
 
-        prompts = humaneval_prompts(router_tokenizer(repo))
+        prompts = task_prompts(router_tokenizer(repo), a.prompts, "all" if a.prompts == "humaneval" else "test")
     else:
         prompts = [json.loads(line)["prompt"] for line in open(ROOT / "data" / "router_prompts.jsonl")
                    if line.strip()]
@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             for rep in range(a.repeats):
                 for name in routers:
                     r = run_setting(url, name, prompts, n, a.max_tokens, a.duration, a.windows, tokenizer,
-                                    chat=a.prompts == "chat")
+                                    chat=a.prompts == "chat", task=a.prompts)
                     per[name].append(r)
                     print(f"N={n} rep={rep} {name:14s} {r['throughput_tok_s']:7.2f} tok/s  "
                           f"ITL p50 {r['itl_p50_s'] * 1e3:7.1f} ms  acceptance {r['acceptance_rate']}  "
