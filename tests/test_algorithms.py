@@ -415,7 +415,7 @@ def test_parameter_validation_units():
     """Algorithm-level validation without a server (defaults, bounds, kinds)."""
     from tokenrouter.algorithms import ALGORITHMS, get_algorithm
 
-    assert {"citer", "r2r", "rstitch", "colm", "me", "random"} <= set(ALGORITHMS)
+    assert {"citer", "r2r", "rstitch", "colm", "me", "random", "speculative", "draft_verify"} <= set(ALGORITHMS)
     with pytest.raises(ValueError, match="unknown routing algorithm"):
         get_algorithm("bogus")
     citer = get_algorithm("citer")

@@ -10,11 +10,19 @@
   rejected (drafts sampled at ``draft_temperature`` 1.5, verification greedy: the rollback
   runs); the routing summary / trace / metrics count drafts and accepted drafts; a cancelled
   request and a request whose LLM dies leave no KV on any model, drafts included.
+
+Draft-verify (algorithm ``draft_verify``: the LLM keeps the drafts it finds acceptable, and adds
+no token of its own when it keeps them all), on the same server: its rules on hand-made logits
+and the engine's handling of a verification without an own token (no model); at alpha = 1
+(``ratio``) the greedy output is LLM-only's (= speculative decoding's), at alpha = 0 SLM-only's
+(greedy, and sampled with a seed); the summary / trace / metrics bookkeeping; the KV of every
+rejected draft freed; cancellations leaving no KV; bad alpha / k / rule refused.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import os
 import queue
 import signal
@@ -52,6 +60,15 @@ ROUTERS = {
     "token_router_spec_adaptive": {"algorithm": "speculative",
                                    "algorithm_params": '{"k": 2, "adaptive": true, "k_max": 6, '
                                                        '"draft_temperature": 0.8}'},
+    "token_router_slm": {"algorithm": "none", "algorithm_params": '{"model": 0}'},
+    # draft-verify at alpha = 1 with the ratio rule on drafts sampled at temperature 1: the LLM
+    # replaces many of them, and the output is LLM-only's
+    "token_router_dv": {"algorithm": "draft_verify",
+                        "algorithm_params": '{"k": 4, "rule": "ratio", "alpha": 1.0, "draft_temperature": 1.0}'},
+    # the SLM's own drafts, kept when the LLM's probability of them is >= 0.5; adaptive k
+    "token_router_dv_prob": {"algorithm": "draft_verify",
+                             "algorithm_params": '{"k": 3, "adaptive": true, "k_max": 6, "rule": "prob", '
+                                                 '"alpha": 0.5}'},
 }
 
 
@@ -111,6 +128,137 @@ def test_parameters_are_checked():
             configure("speculative", bad, 2)
     with pytest.raises(ValueError, match="between 2 and 2"):
         configure("speculative", "{}", 3)
+
+
+# ------------------------------------------------------------------ draft-verify, no model
+def _dv(sampling, **params):
+    from tokenrouter.algorithms.draft_verify import DraftVerify
+
+    algo = DraftVerify(1, 2, DraftVerify.validate_params(params, 2))
+    state = SimpleNamespace(header=SimpleNamespace(sampling=sampling), rid="r")
+    return algo, SimpleNamespace(rid="r", state=state)
+
+
+def _rows(*probs):
+    """Logits ``[len(probs), V]`` whose softmax (temperature 1) is each of ``probs``."""
+    return torch.log(torch.tensor(probs, dtype=torch.float32))
+
+
+def test_draft_verify_rules_on_hand_made_logits():
+    from tokenrouter.protocol import Verdict
+
+    row = [0.5, 0.3, 0.15, 0.05]
+    logits = _rows(row, row, row, row)  # 3 drafts + the position after the last one
+    greedy = {"temperature": 0}
+    algo, res = _dv(greedy, rule="prob", alpha=0.25)
+    assert algo.verify(res, logits, [1, 0, 2]) == Verdict([1, 0, 0], 2)  # p = 0.15 < 0.25: the argmax instead
+    assert algo.verified == {"drafted": 3, "accepted": 2}
+    assert algo.verify(res, logits, [1, 0, 1]) == Verdict([1, 0, 1], 3)  # all kept: no token of the LLM's own
+    assert algo.verify(res, logits, [3, 0, 1]) == Verdict([0], 0)
+    algo, res = _dv(greedy, rule="ratio", alpha=0.55)  # keep when p >= 0.55 * 0.5
+    assert algo.verify(res, logits, [0, 1, 2]) == Verdict([0, 1, 0], 2)
+    # prob at alpha 0.6: even the argmax (p = 0.5) is rejected, and replaced by itself
+    algo, res = _dv(greedy, rule="prob", alpha=0.6)
+    assert algo.verify(res, logits, [0, 1, 2]) == Verdict([0], 0)
+    for rule in ("prob", "ratio"):  # alpha 0: every draft kept, even one the LLM gives probability 0
+        algo, res = _dv(greedy, rule=rule, alpha=0.0)
+        z = logits.clone()
+        z[1, 3] = -math.inf
+        assert algo.verify(res, z, [3, 3, 2]) == Verdict([3, 3, 2], 3)
+
+
+def test_draft_verify_ratio_at_alpha_one_is_exact_speculation():
+    """ratio, alpha = 1, greedy: the tokens of speculative decoding's greedy verification, less its
+    bonus token when every draft is accepted (random logits; drafts often equal to the argmax)."""
+    g = torch.Generator().manual_seed(1)
+    algo, res = _dv({"temperature": 0}, rule="ratio", alpha=1.0)
+    spec, sres = _verifier({"temperature": 0})
+    full = 0
+    for _ in range(300):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        logits = torch.randn(k + 1, 12, generator=g) * 3
+        best = logits.argmax(-1)
+        drafts = [int(best[j]) if torch.rand(1, generator=g) < 0.8 else int(torch.randint(0, 12, (1,), generator=g))
+                  for j in range(k)]
+        v, want = algo.verify(res, logits, drafts), spec.verify(sres, logits, drafts)
+        if v.accepted == k:
+            full += 1
+            assert v.tokens == want[:-1] == drafts
+        else:
+            assert v.tokens == want and v.accepted == len(want) - 1
+    assert 0 < full < 300
+
+
+def test_draft_verify_sampled_requests():
+    """Sampled: p after the request's temperature / top-k; a draft outside top-k has p = 0 and is
+    rejected, and the LLM's token is drawn from p (the request's generator)."""
+    from tokenrouter.algorithms.draft_verify import draft_scores
+    from tokenrouter.engine.sampling import BatchSampler
+
+    row = [0.5, 0.3, 0.15, 0.05]
+    logits = _rows(row, row)
+    sampling = {"temperature": 1.0, "top_k": 2, "top_p": 1.0, "seed": 5}
+    s = draft_scores(logits, [1], "prob", sampling)
+    assert torch.allclose(s.exp(), torch.tensor([0.3 / 0.8]))  # renormalised over the top 2
+    assert torch.allclose(draft_scores(logits, [1], "ratio", sampling).exp(), torch.tensor([0.6]))
+    algo, res = _dv(sampling, rule="prob", alpha=0.3)
+    sampler = BatchSampler()
+    own = []
+    for _ in range(400):
+        v = algo.verify(res, logits, [2], sampler)
+        assert v.accepted == 0 and len(v.tokens) == 1
+        own.append(v.tokens[0])
+    assert set(own) == {0, 1} and abs(own.count(0) / 400 - 0.625) < 0.1
+    assert algo.verify(res, logits, [1], sampler) == ([1], 1)
+
+
+def test_verification_without_an_own_token_in_the_engine():
+    """The subserver's handling of a Verdict (engine/output_processor.py): every draft kept and no
+    own token -> the last draft's KV is freed and it is committed like an own token; malformed
+    results are refused."""
+    import collections
+
+    from tokenrouter.engine.output_processor import OutputProcessorMixin
+    from tokenrouter.protocol import Verdict
+
+    class Engine:
+        def truncate(self, seq, n):
+            freed = len(seq.tokens) - n
+            del seq.tokens[n:]
+            return freed
+
+    def run(verdict, drafts=(3, 4, 9)):
+        algo = SimpleNamespace(verify=lambda *a: verdict, peer_model=lambda k: 0)
+        lr = SimpleNamespace(verify=list(drafts), seq=SimpleNamespace(tokens=[7, 7] + list(drafts)), algo=algo,
+                             spec_round=None)
+        proc = SimpleNamespace(engine=Engine(), counters=collections.Counter(), sampler=None)
+        toks, lps, in_seq = OutputProcessorMixin._verify_row(proc, lr, None, torch.zeros(len(drafts) + 1, 10))
+        return toks, in_seq, lr, proc.counters
+
+    toks, in_seq, lr, c = run(Verdict([3, 4, 9], 3))
+    assert toks == [3, 4, 9] and in_seq == 2 and lr.seq.tokens == [7, 7, 3, 4]  # 9 is appended again
+    assert lr.spec_round == {"drafted": 3, "accepted": 3, "drafter": 0} and c["verify_kv_freed"] == 1
+    toks, in_seq, lr, c = run(Verdict([3, 4], 1))  # the LLM's own token equals the rejected draft
+    assert in_seq == 1 and lr.seq.tokens == [7, 7, 3] and c["drafts_accepted"] == 1 and c["verify_kv_freed"] == 2
+    toks, in_seq, lr, c = run([3, 4, 9, 5])  # a list: the accepted prefix plus one own token
+    assert in_seq == 3 and c["drafts_accepted"] == 3 and c["verify_kv_freed"] == 0
+    for bad in (Verdict([3, 4], 2), Verdict([3, 5], 2), Verdict([3, 4, 9, 1, 2], 3), Verdict([], 0), [3, 5, 1]):
+        with pytest.raises(ValueError, match="verify returned"):
+            run(bad)
+
+
+def test_draft_verify_parameters_are_checked():
+    from tokenrouter.algorithms import configure, get_algorithm
+
+    cls, params = configure("draft_verify", '{"rule": "prob", "alpha": 0.2, "k": 3}', 2)
+    assert cls.threshold_param == "alpha" and (params["rule"], params["alpha"], params["k"]) == ("prob", 0.2, 3)
+    assert get_algorithm("draft_verify").validate_params({}, 2)["rule"] == "ratio"
+    for bad, msg in (('{"alpha": 1.5}', r"'alpha'=1.5 outside \[0.0, 1.0\]"), ('{"alpha": -0.1}', "'alpha'"),
+                     ('{"k": 0}', r"'k'=0 outside"), ('{"k": "adaptive"}', "'k' must be int"),
+                     ('{"rule": "judge"}', r"'rule': must be one of \['prob', 'ratio'\]"),
+                     ('{"rule": "router"}', "not built")):
+        with pytest.raises(ValueError, match=msg):
+            configure("draft_verify", bad, 2)
 
 
 # ------------------------------------------------------------------ the engine
@@ -201,6 +349,7 @@ def _check_summary(out):
     assert spec["acceptance_rate"] == round(spec["accepted"] / spec["drafted"], 4)
     # the accepted drafts are the SLM's tokens, the rest the LLM's (one per round at most)
     n = len(tr["token_ids"])
+    assert spec["tokens_per_llm_pass"] == round(n / spec["rounds"], 4)
     assert summ["tokens_by_model"]["slm"] == spec["accepted"] == tr["trace"].count(0)
     assert summ["tokens_by_model"]["llm"] == n - spec["accepted"] <= spec["rounds"]
     pos = 0
@@ -280,24 +429,158 @@ def test_sampled_requests_are_served_and_counted_in_the_metrics(server):
     wait_kv_released(server)
 
 
-def test_cancelled_requests_free_all_kv(server):
+def _cancel_beside_one(server, jobs, other_router):
+    """Streamed clients that give up (``jobs``: (router, responses read before cancelling)) beside
+    one that does not (``other_router``, whose text must be LLM-only's): no KV, drafts included, is
+    left on either model."""
     sp_long = {"max_tokens": 400, "temperature": 0, "ignore_eos": True}
-
-    def cancel_one(i, router):
-        return stream_then_cancel(server, router, f"Tell a very long story number {i}.", sp_long, timeout=TIMEOUT)
-
-    with cf.ThreadPoolExecutor(4) as ex:
-        futs = [ex.submit(cancel_one, i, r) for i, r in
-                enumerate(["token_router_spec", "token_router_spec_reject", "token_router_spec_reject"])]
-        other = ex.submit(grpc_stream, server, PROMPTS[3], greedy(16), model="token_router_spec_reject",
-                          timeout=TIMEOUT)
-        assert all(f.result() == 3 for f in futs)
+    with cf.ThreadPoolExecutor(len(jobs) + 1) as ex:
+        futs = [ex.submit(stream_then_cancel, server, r, f"Tell a very long story number {i}.", sp_long, chunks=c,
+                          timeout=TIMEOUT) for i, (r, c) in enumerate(jobs)]
+        other = ex.submit(grpc_stream, server, PROMPTS[3], greedy(16), model=other_router, timeout=TIMEOUT)
+        assert [f.result() for f in futs] == [c for _, c in jobs]
         o = other.result()
     ref = generate(server, PROMPTS[3], greedy(16), model="token_router_llm", timeout=TIMEOUT)
     assert o["error"] is None and o["text"] == ref["text_output"]
     st = wait_kv_released(server, timeout=60)
     for m, s in st.items():
         assert s["kv_tokens_in_use"] == 0 and s["kv_rows_in_use"] == 0 and s["active"] == 0, (m, s)
+
+
+def test_cancelled_requests_free_all_kv(server):
+    _cancel_beside_one(server, [("token_router_spec", 3), ("token_router_spec_reject", 3),
+                                ("token_router_spec_reject", 3)], "token_router_spec_reject")
+
+
+# ------------------------------------------------------------------ draft-verify on the server
+@pytest.fixture(scope="module")
+def reference_slm(server):
+    """SLM-only greedy output of every prompt (token ids)."""
+    return {p: _ids(generate(server, p, greedy(), model="token_router_slm", timeout=TIMEOUT)) for p in PROMPTS}
+
+
+def _check_dv_summary(out):
+    """Draft-verify's bookkeeping: each round keeps ``accepted`` drafts (the SLM's tokens) and, when
+    it rejects one, adds exactly one LLM token; no LLM token after a round that kept them all."""
+    summ, tr = out["routing_summary"], out["routing_trace"]
+    spec, drafts, trace = summ["speculative"], tr["drafts"], tr["trace"]
+    n = len(tr["token_ids"])
+    assert spec["rounds"] == len(drafts) > 0
+    assert spec["drafted"] == sum(d["drafted"] for d in drafts)
+    assert spec["accepted"] == sum(d["accepted"] for d in drafts) <= spec["drafted"]
+    assert spec["acceptance_rate"] == round(spec["accepted"] / spec["drafted"], 4)
+    assert spec["tokens_per_llm_pass"] == round(n / spec["rounds"], 4)
+    rejected = sum(d["accepted"] < d["drafted"] for d in drafts)
+    assert summ["tokens_by_model"] == {"slm": spec["accepted"], "llm": rejected}
+    assert trace.count(0) == spec["accepted"] and trace.count(1) == rejected == n - spec["accepted"]
+    pos = 0
+    for d in drafts:
+        assert d["pos"] == pos, (d, drafts)
+        own = int(d["accepted"] < d["drafted"])
+        assert trace[pos:pos + d["accepted"] + own] == [0] * d["accepted"] + [1] * own
+        pos += d["accepted"] + own
+    assert pos == n
+    return spec
+
+
+def test_draft_verify_alpha_one_ratio_equals_llm_only(server, reference):
+    """ratio at alpha = 1: the greedy output is LLM-only's (and so speculative decoding's) token for
+    token, with drafts sampled at temperature 1 that the LLM often replaces.  prob at alpha = 1 (set
+    per request) too: it rejects nearly every draft and writes its argmax instead, here the draft
+    itself (the demo pair's two models are one), which the SLM's rollback must handle."""
+    drafted = accepted = 0
+    for p in PROMPTS:
+        out = generate(server, p, greedy(), model="token_router_dv", timeout=TIMEOUT)
+        assert _ids(out) == reference[p], p
+        spec = _check_dv_summary(out)
+        drafted, accepted = drafted + spec["drafted"], accepted + spec["accepted"]
+        out = generate(server, p, greedy(routing_threshold=1.0), model="token_router_dv_prob", timeout=TIMEOUT)
+        assert _ids(out) == reference[p], p
+        _check_dv_summary(out)
+    assert 0 < accepted < drafted, (accepted, drafted)
+    spec = generate(server, PROMPTS[1], greedy(), model="token_router_spec_reject", timeout=TIMEOUT)
+    assert _ids(spec) == reference[PROMPTS[1]]
+
+
+def test_draft_verify_alpha_zero_equals_slm_only(server, reference_slm):
+    """alpha = 0 keeps every draft and the LLM adds no token: SLM-only's output, greedy and sampled
+    with a seed (the drafts are the SLM's sampler's tokens)."""
+    for p in PROMPTS:
+        out = generate(server, p, greedy(routing_threshold=0.0), model="token_router_dv_prob", timeout=TIMEOUT)
+        assert _ids(out) == reference_slm[p], p
+        spec = _check_dv_summary(out)
+        assert spec["accepted"] == spec["drafted"] == len(_ids(out)) and set(out["routing_trace"]["trace"]) == {0}
+        assert out["routing_summary"]["tokens_by_model"]["llm"] == 0
+    sp = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True}
+    ref = generate(server, PROMPTS[2], sp, model="token_router_slm", timeout=TIMEOUT)
+    out = generate(server, PROMPTS[2], {**sp, "routing_threshold": 0.0}, model="token_router_dv_prob",
+                   timeout=TIMEOUT)
+    assert _ids(out) == _ids(ref) and len(_ids(out)) == 24
+    # the budget ends a round that keeps every draft: exactly max_tokens tokens, no LLM token
+    for n in (1, 2, 5):
+        ref = generate(server, PROMPTS[1], greedy(n, ignore_eos=True), model="token_router_slm", timeout=TIMEOUT)
+        out = generate(server, PROMPTS[1], greedy(n, ignore_eos=True, routing_threshold=0.0),
+                       model="token_router_dv_prob", timeout=TIMEOUT)
+        assert _ids(out) == _ids(ref) and len(_ids(out)) == n and out["finish_reason"] == "length"
+        assert set(out["routing_trace"]["trace"]) == {0}
+
+
+def test_draft_verify_frees_the_kv_of_every_rejection(server, reference):
+    """prob at alpha = 0.5 on the demo pair: the LLM rejects drafts it gives p < 0.5 (and writes the
+    same token instead: the two models are one).  Each verification frees on the LLM the KV of its
+    rejected drafts, or of the last draft of a round that kept them all (recomputed next round);
+    the router's metrics count the rounds, drafts and accepted drafts; nothing is left held."""
+    names = ("spec_decode_num_drafts_total", "spec_decode_num_draft_tokens_total",
+             "spec_decode_num_accepted_tokens_total")
+    m0 = {k: metric_values(server, f"tokenrouter:{k}").get("token_router_dv_prob", 0.0) for k in names}
+    st0 = wait_kv_released(server)
+    rounds = drafted = accepted = freed = 0
+    for p in PROMPTS[:3]:
+        out = generate(server, p, greedy(ignore_eos=True), model="token_router_dv_prob", timeout=TIMEOUT)
+        assert len(_ids(out)) == N
+        spec = _check_dv_summary(out)
+        rounds, drafted, accepted = rounds + spec["rounds"], drafted + spec["drafted"], accepted + spec["accepted"]
+        freed += sum(d["drafted"] - d["accepted"] if d["accepted"] < d["drafted"] else 1
+                     for d in out["routing_trace"]["drafts"])
+    st = wait_kv_released(server)
+    for m, s in st.items():
+        assert s["kv_tokens_in_use"] == 0 and s["active"] == 0, (m, s)
+    llm = {k: st["llm"][k] - st0["llm"][k] for k in ("verifications", "drafts_verified", "drafts_accepted",
+                                                     "verify_kv_freed")}
+    assert llm == {"verifications": rounds, "drafts_verified": drafted, "drafts_accepted": accepted,
+                   "verify_kv_freed": freed}, (llm, rounds, drafted, accepted, freed)
+    assert 0 < accepted < drafted
+    assert st["slm"]["draft_tokens_rolled_back"] > st0["slm"]["draft_tokens_rolled_back"]
+    want = {names[0]: rounds, names[1]: drafted, names[2]: accepted}
+    deadline = time.time() + 10
+    while True:
+        got = {k: metric_values(server, f"tokenrouter:{k}").get("token_router_dv_prob", 0.0) - m0[k] for k in names}
+        if got == want or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    assert got == want, (got, want)
+
+
+def test_draft_verify_cancellation_leaves_no_kv(server):
+    """Clients that give up mid-stream after 2 to 7 responses (some while the LLM verifies a round)
+    and one that does not: no KV, drafts included, is left on either model."""
+    _cancel_beside_one(server, [("token_router_dv", 2), ("token_router_dv", 5), ("token_router_dv_prob", 3),
+                                ("token_router_dv_prob", 7)], "token_router_dv")
+
+
+def test_draft_verify_bad_requests_are_refused(server):
+    """A bad per-request alpha: HTTP 400 / a gRPC error naming it; penalties: an error for that request."""
+    for alpha in (1.5, -0.2):
+        out = generate(server, PROMPTS[0], greedy(4, routing_threshold=alpha), model="token_router_dv",
+                       timeout=TIMEOUT)
+        assert out["_status"] == 400 and f"'alpha'={alpha} outside [0.0, 1.0]" in out.get("error", ""), out
+    g = grpc_stream(server, PROMPTS[0], greedy(4, routing_threshold=2.0), model="token_router_dv_prob",
+                    timeout=TIMEOUT)
+    assert g["error"] and "'alpha'=2.0 outside [0.0, 1.0]" in g["error"], g
+    bad = generate(server, PROMPTS[2], {"max_tokens": 4, "presence_penalty": 0.5}, model="token_router_dv",
+                   timeout=TIMEOUT)
+    assert bad["_status"] != 200 and "algorithm 'draft_verify' does not support" in bad.get("error", ""), bad
+    wait_kv_released(server)
 
 
 def test_llm_failure_frees_the_drafters_kv(server):

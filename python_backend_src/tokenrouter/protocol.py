@@ -39,9 +39,9 @@ from __future__ import annotations
 import enum
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NamedTuple, Optional
 
-__all__ = ["Status", "PeerReq", "StepResult", "FinishReason"]
+__all__ = ["Status", "PeerReq", "StepResult", "FinishReason", "Verdict"]
 
 
 class Status(str, enum.Enum):
@@ -156,3 +156,19 @@ class StepResult:
     hidden: Optional[Any] = None
     logits: Optional[Any] = None
     state: Optional[Any] = None
+
+
+class Verdict(NamedTuple):
+    """A verification's outcome, as :meth:`~tokenrouter.algorithms.base.RoutingAlgorithm.verify` may return it.
+
+    Attributes:
+        tokens: the token ids to commit, in order: the accepted drafts (``drafts[:accepted]``),
+            then at most one token of the verifying model's own.  No token of its own is
+            allowed only when every draft is accepted (draft-verify's rule: the round then
+            ends on the last draft).
+        accepted: how many leading ``tokens`` are accepted drafts (the drafter's tokens in
+            the trace), 0 <= accepted <= len(drafts).
+    """
+
+    tokens: List[int]
+    accepted: int

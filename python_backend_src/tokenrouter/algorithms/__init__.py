@@ -3,7 +3,8 @@
 ``citer`` (CITER), ``r2r`` (R2R), ``rstitch`` (R-Stitch), ``colm`` (Co-LLM),
 ``me`` (ME, M >= 2 models), ``random`` (each token to the LLM with probability p: the
 control a router must beat), ``speculative`` (speculative decoding: the SLM drafts,
-the LLM verifies) and ``none`` (baseline: one model writes all).
+the LLM verifies), ``draft_verify`` (the SLM drafts, the LLM keeps the drafts it finds
+acceptable: lossy speculation) and ``none`` (baseline: one model writes all).
 See docs/algorithms/ for the rules, parameters and router training.
 """
 
@@ -15,6 +16,7 @@ from typing import Any, Dict, Mapping, Tuple, Type, Union
 from .base import ParamSpec, RoutingAlgorithm
 from .citer import CITER
 from .colm import CoLLM
+from .draft_verify import DraftVerify
 from .me import ME
 from .r2r import R2R
 from .random_routing import RandomRouting
@@ -22,7 +24,8 @@ from .rstitch import NoRouting, RStitch
 from .speculative import Speculative
 
 ALGORITHMS: Dict[str, Type[RoutingAlgorithm]] = {
-    cls.name: cls for cls in (CITER, R2R, RStitch, CoLLM, ME, RandomRouting, Speculative, NoRouting)}
+    cls.name: cls for cls in (CITER, R2R, RStitch, CoLLM, ME, RandomRouting, Speculative, DraftVerify,
+                              NoRouting)}
 
 
 def get_algorithm(name: str) -> Type[RoutingAlgorithm]:

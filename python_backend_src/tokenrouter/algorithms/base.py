@@ -35,7 +35,8 @@ with Speculative Sampling") needs three more hooks, all no-ops by default:
 * verifying model: :meth:`drafts_to_verify` names the drafts (appended by ``receive``)
   the next step checks; that step runs them in one extend and returns the logits at every
   drafted position, and :meth:`verify` picks the tokens to commit (the accepted drafts,
-  then the model's own next token); the rejected drafts' KV is freed.
+  then the model's own next token, or -- :class:`Verdict` -- no token of its own when every
+  draft is accepted, as draft-verify does); the rejected drafts' KV is freed.
 
 Engine access: the subserver calls :meth:`attach` with its engine once per
 instance, before the first ``route``; algorithms that need hidden states or
@@ -49,11 +50,11 @@ import dataclasses
 import hashlib
 import math
 import struct
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Union
 
-from ..protocol import PeerReq, Status, StepResult
+from ..protocol import PeerReq, Status, StepResult, Verdict
 
-__all__ = ["RoutingAlgorithm", "ParamSpec", "request_uniform", "request_key"]
+__all__ = ["RoutingAlgorithm", "ParamSpec", "Verdict", "request_uniform", "request_key"]
 
 
 class ParamSpec:
@@ -236,7 +237,8 @@ class RoutingAlgorithm:
         to be checked by the next step (default: none)."""
         return []
 
-    def verify(self, result: StepResult, position_logits, drafts: List[int], sampler=None) -> List[int]:
+    def verify(self, result: StepResult, position_logits, drafts: List[int],
+               sampler=None) -> Union[List[int], Verdict]:
         """Verifying model: the tokens to commit after a step that ran ``drafts``.
 
         Args:
@@ -247,8 +249,10 @@ class RoutingAlgorithm:
             sampler: the subserver's :class:`~tokenrouter.engine.sampling.BatchSampler`
                 (the request's random generator), for sampled verification.
         Returns:
-            The accepted prefix of ``drafts`` followed by one token of this model's own
-            (Leviathan et al. 2023, Algorithm 1).  Default: no draft accepted, the greedy token.
+            A list: the accepted prefix of ``drafts`` followed by exactly one token of this
+            model's own (Leviathan et al. 2023, Algorithm 1); or a :class:`Verdict`, which says
+            how many drafts it accepts and may end on the last draft with no token of its own.
+            Default: no draft accepted, the greedy token.
         """
         return [int(position_logits[0].argmax())]
 

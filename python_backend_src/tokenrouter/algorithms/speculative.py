@@ -97,6 +97,8 @@ class Speculative(RoutingAlgorithm):
         "draft_top_k": ParamSpec(int, 32, 1, 4096, "tokens of the draft distribution q sent to the verifier"),
     }
     threshold_param = None
+    #: the verifier's rule needs the draft distribution q of a sampled request (``extras.draft_q``)
+    uses_q = True
 
     def __init__(self, model_index: int, num_models: int, params: Dict[str, Any]):
         super().__init__(model_index, num_models, params)
@@ -120,30 +122,34 @@ class Speculative(RoutingAlgorithm):
 
     def draft(self, result: StepResult) -> Optional[int]:
         """Model 0: the step's token becomes a draft (None when the verifier is down: the SLM then
-        writes on its own, the router's fallback mode).  A greedy request with no
-        ``draft_temperature`` drafts the argmax; otherwise the draft is drawn from q (module
-        docstring) with a per-(request, step) uniform number (:func:`request_uniform`)."""
-        if self.model_index != 0:
+        writes on its own, the router's fallback mode); :meth:`_draft_token` picks it."""
+        if self.model_index != 0 or self._verifier_down(result.state.header):
             return None
+        tok = self._draft_token(result)
+        self.drafts.append(tok)
+        return tok
+
+    def _draft_token(self, result: StepResult) -> int:
+        """The draft of one step.  A greedy request with no ``draft_temperature`` drafts the
+        argmax; otherwise the draft is drawn from q (module docstring) with a per-(request, step)
+        uniform number (:func:`request_uniform`), and q is kept for the verifier (``draft_q``)
+        when the request is sampled and :attr:`uses_q`."""
         lr = result.state
         hdr = lr.header
-        if self._verifier_down(hdr):
-            return None
         t = self.params["draft_temperature"]
-        greedy_req = _greedy(hdr.sampling)
-        if (t is None and greedy_req) or (t is not None and t < SAMPLING_EPS):
+        keep_q = self.uses_q and not _greedy(hdr.sampling)
+        if (t is None and _greedy(hdr.sampling)) or (t is not None and t < SAMPLING_EPS):
             tok = int(torch.argmax(result.logits))
-            if not greedy_req:  # q is a point mass on the argmax
+            if keep_q:  # q is a point mass on the argmax
                 self.draft_q.append([[tok], [1.0]])
-        else:
-            probs = target_probs(result.logits, hdr.sampling, temperature=t)
-            top = torch.topk(probs, min(self.params["draft_top_k"], probs.shape[0]))
-            q = top.values / top.values.sum()
-            u = request_uniform("speculative-draft", request_key(lr.rid, hdr.sampling), hdr.step)
-            tok = int(top.indices[_draw(q, u)])
-            if not greedy_req:
-                self.draft_q.append([top.indices.tolist(), q.tolist()])
-        self.drafts.append(tok)
+            return tok
+        probs = target_probs(result.logits, hdr.sampling, temperature=t)
+        top = torch.topk(probs, min(self.params["draft_top_k"], probs.shape[0]))
+        q = top.values / top.values.sum()
+        u = request_uniform(f"{self.name}-draft", request_key(lr.rid, hdr.sampling), hdr.step)
+        tok = int(top.indices[_draw(q, u)])
+        if keep_q:
+            self.draft_q.append([top.indices.tolist(), q.tolist()])
         return tok
 
     # ------------------------------------------------------------ verifier
@@ -156,7 +162,7 @@ class Speculative(RoutingAlgorithm):
         """
         bad = [k for k in UNSUPPORTED_SAMPLING if k in peer_req.sampling]
         if bad:
-            raise ValueError(f"algorithm 'speculative' does not support the sampling parameters {bad}")
+            raise ValueError(f"algorithm {self.name!r} does not support the sampling parameters {bad}")
         tokens = list(peer_req.tokens)
         if self.model_index != 1:
             return tokens
@@ -166,7 +172,7 @@ class Speculative(RoutingAlgorithm):
                 (self.vocab_size is not None and t >= self.vocab_size) for t in drafts):
             raise ValueError("extras.drafts must be a list of at most 64 token ids of this model")
         q = peer_req.extras.get("draft_q") or []
-        if drafts and not _greedy(peer_req.sampling):
+        if drafts and self.uses_q and not _greedy(peer_req.sampling):
             if not isinstance(q, list) or len(q) != len(drafts):
                 raise ValueError("a sampled request's drafts need their draft distributions (extras.draft_q)")
             for (ids, ps), d in zip(q, drafts):

@@ -17,7 +17,7 @@ from typing import Any, Dict, List
 
 import torch
 
-from ..protocol import FinishReason, StepResult
+from ..protocol import FinishReason, StepResult, Verdict
 from .sampling import normalized_entropy
 
 #: a :class:`tokenrouter.engine.subserver.LocalRequest` (subserver imports this module, not the reverse)
@@ -63,28 +63,44 @@ class OutputProcessorMixin:
         argmax choices).  The rejected drafts leave the sequence and their KV is freed
         (:meth:`SGLangEngine.truncate`); the accepted ones stay with their KV.
 
+        A verification may also end on its last draft with no token of its own (a
+        :class:`~tokenrouter.protocol.Verdict` that accepts every draft: draft-verify).
+        That draft's KV is freed too and the draft is committed like an own token (in the
+        sequence, KV computed by the next extend): the next verification then has the k + 1
+        new tokens whose logits it needs, and a request that stays here has a token to run.
+
         Returns:
-            ``(tokens, logprobs, accepted)``: the tokens to commit (accepted drafts first), the
-            raw logprob of each under this model, and how many of them are accepted drafts.
+            ``(tokens, logprobs, in_seq)``: the tokens to commit (accepted drafts first), the
+            raw logprob of each under this model, and how many leading ones stay in the
+            sequence with their KV (the accepted drafts; one fewer without an own token).
 
         Raises:
-            ValueError: the algorithm returned something that is not an accepted prefix plus one token.
+            ValueError: the algorithm returned something that is not an accepted prefix plus at
+                most one token (none only when every draft is accepted).
         """
         drafts, lr.verify = lr.verify, []
         if position_logits is None or position_logits.shape[0] != len(drafts) + 1:
             raise ValueError("the engine returned no logits at the drafted positions")
-        toks = [int(t) for t in lr.algo.verify(res, position_logits, drafts, self.sampler)]
-        n_acc = len(toks) - 1
-        if not 0 <= n_acc <= len(drafts) or toks[:n_acc] != drafts[:n_acc]:
-            raise ValueError(f"verify returned {toks} for drafts {drafts}: not an accepted prefix plus one token")
-        self.engine.truncate(lr.seq, len(lr.seq.tokens) - len(drafts) + n_acc)
+        v = lr.algo.verify(res, position_logits, drafts, self.sampler)
+        if isinstance(v, Verdict):
+            toks, n_acc = [int(t) for t in v.tokens], int(v.accepted)
+        else:
+            toks = [int(t) for t in v]
+            n_acc = len(toks) - 1
+        own = len(toks) - n_acc
+        if not 0 <= n_acc <= len(drafts) or toks[:n_acc] != drafts[:n_acc] or own not in (0, 1) \
+                or (own == 0 and (n_acc != len(drafts) or n_acc == 0)):
+            raise ValueError(f"verify returned {toks} ({n_acc} accepted) for drafts {drafts}: not an accepted "
+                             "prefix plus one token, nor every draft")
+        in_seq = n_acc if own else n_acc - 1
+        self.counters["verify_kv_freed"] += self.engine.truncate(lr.seq, len(lr.seq.tokens) - len(drafts) + in_seq)
         self.counters["verifications"] += 1
         self.counters["drafts_verified"] += len(drafts)
         self.counters["drafts_accepted"] += n_acc
         logp = torch.log_softmax(position_logits[: len(toks)], dim=-1)
         lps = logp.gather(1, torch.tensor(toks, dtype=torch.long).view(-1, 1)).view(-1).tolist()
         lr.spec_round = {"drafted": len(drafts), "accepted": n_acc, "drafter": lr.algo.peer_model(1)}
-        return toks, lps, n_acc
+        return toks, lps, in_seq
 
     def process_batch_result(self, batch: List[LocalRequest], out, t0: float, t_fwd: float,
                              has_prefill: bool) -> None:
@@ -151,7 +167,7 @@ class OutputProcessorMixin:
                 lr.drafts += 1
                 self.counters["draft_tokens"] += 1
                 commit_toks, commit_lps, in_seq = [], [], 0
-            elif verified is not None:  # accepted drafts (already in the sequence) + own token
+            elif verified is not None:  # kept drafts + own token; the first in_seq already in the sequence
                 commit_toks, commit_lps, in_seq = verified
             elif k == 0 or lr.algo.commit_on_handoff(res):
                 commit_toks, commit_lps, in_seq = [toks[i]], [tok_logp[i]], 0

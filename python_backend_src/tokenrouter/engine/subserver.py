@@ -376,7 +376,7 @@ class Subserver(OutputProcessorMixin):
                                                   "handoffs_out", "finished", "cancelled", "errors",
                                                   "requests_in", "prefill_chunks",
                                                   "draft_tokens", "verifications", "drafts_verified", "drafts_accepted",
-                                                  "draft_tokens_rolled_back")},
+                                                  "draft_tokens_rolled_back", "verify_kv_freed")},
                 "step_time_s": self.counters["step_time_us"] / 1e6,
                 "forward_s": self.counters["forward_us"] / 1e6,
                 "route_s": self.counters["route_us"] / 1e6,
@@ -559,9 +559,10 @@ class Subserver(OutputProcessorMixin):
         """Speculative decoding, drafting model: drop the drafted tokens the verifier rejected.
 
         ``lr.seq`` ends with ``lr.drafts`` drafted tokens; ``tokens`` (the verifier's committed
-        tokens: the accepted drafts, then its own) start with the accepted ones.  The longest
-        common prefix stays (its KV is reused); the rest of the drafts leave the sequence and
-        their KV slots are freed (:meth:`SGLangEngine.truncate`).  Leviathan et al. 2023, §2.3.
+        tokens: the accepted drafts, then its own, if any) start with the accepted ones.  The
+        longest common prefix stays (its KV is reused), less its last token when that would
+        leave nothing to run; the rest of the drafts leave the sequence and their KV slots are
+        freed (:meth:`SGLangEngine.truncate`).  Leviathan et al. 2023, §2.3.
 
         Returns:
             the tokens still to append (``tokens`` minus the kept prefix).
@@ -571,6 +572,12 @@ class Subserver(OutputProcessorMixin):
         keep = 0
         while keep < min(len(drafted), len(tokens)) and drafted[keep] == tokens[keep]:
             keep += 1
+        if 0 < keep == len(tokens) < len(drafted):
+            # every committed token is a draft that has KV here (a later draft step ran it), so no
+            # token would be left to run: the last one is cut with the rest and appended again
+            # (its logits, which the next draft needs, are recomputed).  Happens when the
+            # verifier's own token equals the draft it replaced (draft-verify's rules)
+            keep -= 1
         self.counters["draft_tokens_rolled_back"] += len(drafted) - keep
         self.engine.truncate(lr.seq, base + keep)
         lr.drafts = 0

@@ -65,6 +65,8 @@ class RoutedRequest:
             and of those the ones the verifier accepted (output tokens of the drafter).
         spec_rounds: speculative decoding: one ``{"pos", "drafted", "accepted"}`` per
             verification, ``pos`` = output tokens committed before it.
+        spec_tokens: speculative decoding: output tokens the verifications committed (accepted
+            drafts and the verifier's own tokens).
     """
 
     tokens: List[int]
@@ -85,6 +87,7 @@ class RoutedRequest:
     drafted: int = 0
     accepted: int = 0
     spec_rounds: List[Dict[str, int]] = field(default_factory=list)
+    spec_tokens: int = 0
 
     @property
     def output_ids(self) -> List[int]:
@@ -220,6 +223,7 @@ def _writers(spec: Optional[Dict[str, Any]], current: int, n: int, n_models: int
         return [current] * n
     r.drafted += drafted
     r.accepted += accepted
+    r.spec_tokens += n
     r.spec_rounds.append({"pos": len(r.tokens) - r.n_prompt, "drafted": drafted, "accepted": accepted})
     if not 0 <= drafter < n_models:
         drafter = current

@@ -33,7 +33,8 @@ Outputs
     ``num_output_tokens`` INT32, ``routing_summary`` BYTES (JSON:
     tokens_by_model, handoffs, handoffs_by_pair, algorithm, params and
     handoff_gap_s: seconds from each handoff to the peer's first response; with speculative
-    decoding ``speculative``: rounds, drafted, accepted, acceptance_rate),
+    decoding and draft-verify ``speculative``: rounds, drafted, accepted, acceptance_rate,
+    tokens_per_llm_pass),
     ``logprobs`` BYTES (JSON list, one float per output token: its logprob
     under the model that wrote it; on the final response, streaming too) when
     asked (``return_logprobs`` or the ``logprobs`` sampling key),
@@ -776,10 +777,11 @@ class TritonPythonModel:
         if r.degraded:
             summary["degraded"] = r.degraded
             self.failure.count_degraded()
-        if r.spec_rounds:  # speculative decoding: drafts verified and accepted
+        if r.spec_rounds:  # speculative decoding, draft-verify: drafts verified and accepted
             summary["speculative"] = {"rounds": len(r.spec_rounds), "drafted": r.drafted,
                                       "accepted": r.accepted,
-                                      "acceptance_rate": round(r.accepted / r.drafted, 4) if r.drafted else None}
+                                      "acceptance_rate": round(r.accepted / r.drafted, 4) if r.drafted else None,
+                                      "tokens_per_llm_pass": round(r.spec_tokens / len(r.spec_rounds), 4)}
         if job.stream:
             text = tail
         else:
