@@ -973,9 +973,12 @@ def reference_report(rows: Sequence[Dict[str, Any]], caches: Mapping[str, Dict[s
     return "\n".join(lines)
 
 
-def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
-    """pass@1 (with its 95 % interval) against LLM-token share: one curve per algorithm, random
-    routing dashed, slm-only and llm-only as horizontal references.  Writes ``path`` (PNG)."""
+def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "", x: str = "llm_share",
+         ylabel: str = "HumanEval pass@1 (%)") -> str:
+    """pass@1 (with its 95 % interval) against LLM-token share (``x="llm_share"``) or against
+    answers per second of the quality runs (``x="answers_per_s"``: the Pareto front of accuracy and
+    speed): one curve per algorithm, random routing dashed, slm-only and llm-only as horizontal
+    references.  Writes ``path`` (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -989,7 +992,7 @@ def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
         if r["point"] in BASELINES:
             color = "tab:gray" if r["point"] == "slm-only" else "black"
             ax.axhline(100 * r["pass_at_1"], color=color, ls=":", lw=1)
-            ax.errorbar([r["llm_share"]], [100 * r["pass_at_1"]], fmt="s", color=color, label=r["point"],
+            ax.errorbar([r[x]], [100 * r["pass_at_1"]], fmt="s", color=color, label=r["point"],
                         yerr=[[100 * max(0.0, r["pass_at_1"] - r["ci95"][0])],
                               [100 * max(0.0, r["ci95"][1] - r["pass_at_1"])]],
                         capsize=3)
@@ -998,16 +1001,17 @@ def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "") -> str:
     palette = iter(["tab:blue", "tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:olive",
                     "tab:cyan"] * 4)  # red is random routing's alone
     for algo, rs in curves.items():
-        rs = sorted(rs, key=lambda x: x["llm_share"])
-        x = [q["llm_share"] for q in rs]
+        rs = sorted(rs, key=lambda q: q[x])
+        xs = [q[x] for q in rs]
         y = [100 * q["pass_at_1"] for q in rs]
         err = [[100 * max(0.0, q["pass_at_1"] - q["ci95"][0]) for q in rs],
                [100 * max(0.0, q["ci95"][1] - q["pass_at_1"]) for q in rs]]
-        ax.errorbar(x, y, yerr=err, fmt="o--" if algo == "random" else "o-", capsize=2, label=algo,
+        ax.errorbar(xs, y, yerr=err, fmt="o--" if algo == "random" else "o-", capsize=2, label=algo,
                     color="tab:red" if algo == "random" else next(palette), alpha=0.9)
-    ax.set_xlabel("LLM-token share")
-    ax.set_ylabel("HumanEval pass@1 (%)")
-    ax.set_xlim(-0.03, 1.03)
+    ax.set_xlabel("LLM-token share" if x == "llm_share" else "answers/s (the quality run's closed loop)")
+    ax.set_ylabel(ylabel)
+    if x == "llm_share":
+        ax.set_xlim(-0.03, 1.03)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     if title:
@@ -1111,6 +1115,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--reference", choices=["transformers"], default=None,
                     help="also run slm-only and llm-only with plain transformers on the same problems")
     ap.add_argument("--plot", default="", metavar="PNG", help="draw pass@1 against LLM-token share")
+    ap.add_argument("--plot-speed", default="", metavar="PNG",
+                    help="draw pass@1 against answers/s of the quality runs (same N for every point)")
     ap.add_argument("--json", default="", metavar="PATH",
                     help="write the table's rows as JSON (default OUT/PAIR/summary.json)")
     a = ap.parse_args(argv)
@@ -1260,7 +1266,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    "rows": [{k: v for k, v in r.items() if k != "outcomes"} for r in rows],
                    "curve_tests": curves}, f, indent=1)
     if a.plot:
-        print(f"plot: {plot(rows, a.plot, f'{task.title} ({len(task_ids)} problems), {a.pair} pair')}")
+        print(f"plot: {plot(rows, a.plot, f'{task.title} ({len(task_ids)} problems), {a.pair} pair', ylabel=f'{task.title} pass@1 (%)')}")
+    if a.plot_speed:
+        print(f"plot: {plot(rows, a.plot_speed, f'{task.title} ({len(task_ids)} problems), {a.pair} pair, N = {a.concurrency}', x='answers_per_s', ylabel=f'{task.title} pass@1 (%)')}")
     return 0
 
 

@@ -6,6 +6,9 @@
     python perf/speculative.py --pair qwen-coder --prompts humaneval --k 2,4 --no-adaptive --max-tokens 384 \\
         --duration 40 --repeats 2                               # the real pair on its task (~21 min here)
     python perf/speculative.py --k 4 --concurrency 1 --duration 20 --windows 2   # a smoke run
+    python perf/speculative.py --pair qwen-coder --prompts gsm-symbolic --max-tokens 768 --k 4 --no-adaptive \
+        --slm-only --router rstitch=rstitch:'{"tau": 0.05}' --router dv=draft_verify:'{"k": 4, "alpha": 0.3}' \
+        --concurrency 1,8 --duration 120      # routing, draft-verify and speculation on long answers
 
 One tritonserver serves the pair (``tokenrouter.tools.repository.make_variant``) with one router
 model per setting: ``token_router_llm`` (algorithm ``none``, model 1: LLM-only, the baseline),
@@ -33,7 +36,13 @@ Reported per (N, setting), means over repeats with the per-window spread:
   The two handoffs per round are what separates ``speedup`` from it at N = 1; at N > 1 the SLM
   drafts for some requests while the LLM verifies others, which the ceiling does not count.
 
-``best_k`` per N is the setting with the highest mean throughput.  Raw results go to ``--out``
+``--slm-only`` adds the SLM alone (``token_router_slm``) and ``--router NAME=ALGO[:JSON]`` any other
+router model (``token_router_NAME``: e.g. R-Stitch or draft-verify at one threshold) to the same
+run, so that routing, draft-verify and speculation meet on the same prompts; every setting also
+reports ``answers_per_s`` (requests completed in the windows per second), TTFT and end-to-end
+p50/p90 and its LLM-token share.
+
+``best_k`` per N is the setting with the highest mean throughput (of all but LLM-only and SLM-only).  Raw results go to ``--out``
 (default ``perf/results/speculative-<pair>.json``).
 """
 
@@ -121,6 +130,11 @@ def main(argv=None) -> int:
                     help="chat = data/router_prompts.jsonl with the server's chat template (default); "
                          "humaneval = HumanEval's 164 problems as perf/quality.py renders and stops them "
                          "(--max-tokens is then the cap); gsm-symbolic / math500: that task's test split")
+    ap.add_argument("--slm-only", action="store_true", help="also measure the SLM alone (token_router_slm)")
+    ap.add_argument("--router", action="append", default=[], metavar="NAME=ALGO[:JSON]",
+                    help="another setting in the same run: a router model NAME (token_router_NAME) with algorithm "
+                         "ALGO and its parameters, e.g. rstitch=rstitch:'{\"tau\": 0.05}' or "
+                         "dv=draft_verify:'{\"k\": 4, \"alpha\": 0.3}' (repeatable)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from tokenrouter.tools.repository import make_variant
@@ -131,6 +145,18 @@ def main(argv=None) -> int:
     routers = {"token_router_llm": {"algorithm": "none", "algorithm_params": '{"model": 1}'}}
     for k in ks:
         routers[f"token_router_spec_k{k}"] = {"algorithm": "speculative", "algorithm_params": json.dumps({"k": k})}
+    if a.slm_only:
+        routers["token_router_slm"] = {"algorithm": "none", "algorithm_params": '{"model": 0}'}
+    for spec in a.router:
+        name, _, rest = spec.partition("=")
+        algo, _, params = rest.partition(":")
+        if not name or not algo:
+            ap.error(f"--router takes NAME=ALGO[:JSON], got {spec!r}")
+        try:
+            json.loads(params or "{}")
+        except ValueError as e:
+            ap.error(f"--router {spec!r}: the parameters are not JSON ({e})")
+        routers[f"token_router_{name}"] = {"algorithm": algo, "algorithm_params": params or "{}"}
     if not a.no_adaptive:
         routers["token_router_spec_adaptive"] = {"algorithm": "speculative", "algorithm_params": json.dumps(
             {"k": max(ks), "adaptive": True, "k_max": a.k_max})}
@@ -161,6 +187,7 @@ def main(argv=None) -> int:
                                     chat=a.prompts == "chat", task=a.prompts)
                     per[name].append(r)
                     print(f"N={n} rep={rep} {name:14s} {r['throughput_tok_s']:7.2f} tok/s  "
+                          f"{r['requests_per_s']:.4f} answers/s  LLM share {r.get('llm_share')}  "
                           f"ITL p50 {r['itl_p50_s'] * 1e3:7.1f} ms  acceptance {r['acceptance_rate']}  "
                           f"LLM step {r['t_step_llm_s']}  SLM step {r['t_step_slm_s']}", flush=True)
             base = per["token_router_llm"]
@@ -171,7 +198,14 @@ def main(argv=None) -> int:
                        "speedup": statistics.fmean(r["throughput_tok_s"] / b["throughput_tok_s"]
                                                    for r, b in zip(runs, base)),
                        **{q: statistics.fmean(r[q] for r in runs) for q in
-                          ("itl_p50_s", "itl_p90_s", "itl_p99_s", "ttft_p50_s")},
+                          ("itl_p50_s", "itl_p90_s", "itl_p99_s", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s",
+                           "e2e_p90_s") if all(r.get(q) is not None for r in runs)},
+                       # answers/s: requests completed inside the windows, and output tokens/s over the
+                       # mean answer length of the completed requests (steadier with few long answers)
+                       "answers_per_s": statistics.fmean(r["requests_per_s"] for r in runs),
+                       "llm_share": statistics.fmean(r["llm_share"] for r in runs
+                                                     if r.get("llm_share") is not None) if any(
+                           r.get("llm_share") is not None for r in runs) else None,
                        "runs": runs}
                 if name != "token_router_llm":
                     def mean(key, rs=runs):
@@ -188,7 +222,7 @@ def main(argv=None) -> int:
                         row.update(verify_over_decode=t_ver / t_dec,
                                    speedup_bound=tpr * t_dec / (k * t_dr + t_ver))
                 summary[name] = row
-            best = max((nm for nm in summary if nm != "token_router_llm"),
+            best = max((nm for nm in summary if nm not in ("token_router_llm", "token_router_slm")),
                        key=lambda nm: summary[nm]["throughput_tok_s"])
             results[str(n)] = {"settings": summary, "best": best}
             print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
