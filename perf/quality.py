@@ -546,7 +546,8 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
-    run = {"problems": len(problems), "errors": errors, "wall_s": time.perf_counter() - t0,
+    run = {"problems": len(problems), "task_ids": [pr["task_id"] for pr in problems], "errors": errors,
+           "wall_s": time.perf_counter() - t0,
            "output_tokens": tokens, "concurrency": args.concurrency,
            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_cpu()}
     return answers, run
@@ -570,7 +571,16 @@ def counter_deltas(before: Mapping[str, Mapping[str, float]], after: Mapping[str
     return {m: {k: after[m][k] - before[m][k] for k in before[m]} for m in before}
 
 
-def time_breakdown(data: Mapping[str, Any]) -> Optional[Dict[str, Dict[str, float]]]:
+def runs_on(data: Mapping[str, Any], task_ids: Sequence[str]) -> List[Dict[str, Any]]:
+    """The runs of a point that generated some of ``task_ids`` (all of them for runs that do not
+    record their problems): a point's speed is reported from the runs of the problems reported,
+    e.g. not from a dev split's runs under a test split's table."""
+    want = set(task_ids)
+    return [r for r in data.get("runs", []) if "task_ids" not in r or want & set(r["task_ids"])]
+
+
+def time_breakdown(data: Mapping[str, Any], task_ids: Optional[Sequence[str]] = None
+                   ) -> Optional[Dict[str, Dict[str, float]]]:
     """Where a point's model time went, per answer, from the counters its runs recorded.
 
     Per model, in seconds of that model's loop per answer (the two models run in parallel, each
@@ -585,7 +595,7 @@ def time_breakdown(data: Mapping[str, Any]) -> Optional[Dict[str, Dict[str, floa
     Returns:
         ``{model: {...}}``, or None when no run of the point recorded counters.
     """
-    runs = [r for r in data.get("runs", []) if r.get("model_time")]
+    runs = [r for r in (data.get("runs", []) if task_ids is None else runs_on(data, task_ids)) if r.get("model_time")]
     answers = sum(r["problems"] - len(r.get("errors", [])) for r in runs)
     if not runs or answers <= 0:
         return None
@@ -602,11 +612,12 @@ def time_breakdown(data: Mapping[str, Any]) -> Optional[Dict[str, Dict[str, floa
     return out
 
 
-def breakdown_table(caches: Mapping[str, Mapping[str, Any]], points: Sequence[str]) -> str:
+def breakdown_table(caches: Mapping[str, Mapping[str, Any]], points: Sequence[str],
+                    task_ids: Optional[Sequence[str]] = None) -> str:
     """A markdown table of :func:`time_breakdown` for the points that have it ('' when none)."""
     lines = []
     for name in points:
-        b = time_breakdown(caches[name]) if name in caches else None
+        b = time_breakdown(caches[name], task_ids) if name in caches else None
         if not b:
             continue
         for m, v in b.items():
@@ -724,7 +735,7 @@ def point_summary(data: Mapping[str, Any], task_ids: Sequence[str]) -> Dict[str,
     recs = [data["problems"][t] for t in task_ids if t in data["problems"]]
     n, k = len(recs), sum(1 for r in recs if r["passed"])
     out_tok = sum(r["output_tokens"] for r in recs)
-    runs = data.get("runs", [])
+    runs = runs_on(data, task_ids)
     wall, run_tok = sum(r["wall_s"] for r in runs), sum(r["output_tokens"] for r in runs)
     run_answers = sum(r.get("problems", 0) - len(r.get("errors", [])) for r in runs)
     e2e = [r["e2e_s"] for r in recs]
@@ -1227,7 +1238,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # every cached point of the pair with these settings, on the selected problems
     pair_dir = task_dir(a.out, a.pair, task)
     for f in sorted(os.listdir(pair_dir)) if os.path.isdir(pair_dir) else []:
-        if not f.endswith(".json") or f == "summary.json":
+        if not f.endswith(".json") or f.startswith("summary"):
             continue
         with open(os.path.join(pair_dir, f), encoding="utf-8") as fh:
             data = json.load(fh)
@@ -1253,7 +1264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("\nEach algorithm's curve against random routing at equal LLM share (paired per problem; "
               "random routing interpolated between its points, slm-only at 0 and llm-only at 1):\n")
         print(curve_table(curves))
-    bd = breakdown_table(caches, [r["point"] for r in rows])
+    bd = breakdown_table(caches, [r["point"] for r in rows], task_ids)
     if bd:
         print("\nModel time per answer (each model's loop, seconds per answer; the two run in parallel):\n" + bd)
     ref = reference_report(every_row, caches)

@@ -164,6 +164,11 @@ def test_runner_records_and_summary_of_a_math_task(tmp_path):
     with pytest.raises(ValueError, match="seed: cached 2026, now 7"):
         quality.load_cache(path, pt, {**settings, "seed": 7}, force=False)
     assert "| 33.3 % |" in quality.table([row])  # the cut column
+    # a point's speed comes from the runs of the problems reported (not a dev split's under a test table)
+    data["runs"] = [{"problems": 3, "task_ids": ids, "errors": [], "wall_s": 10.0, "output_tokens": 1000},
+                    {"problems": 3, "task_ids": ["gsm-symbolic/99"], "errors": [], "wall_s": 90.0, "output_tokens": 9}]
+    assert quality.point_summary(data, ids)["answers_per_s"] == pytest.approx(0.3)
+    assert quality.runs_on(data, ["gsm-symbolic/99"]) == data["runs"][1:]
 
 
 @pytest.mark.server
