@@ -812,11 +812,13 @@ def _draft_max(text: str) -> List[Optional[int]]:
 
 
 def _save(path: str, data: Mapping[str, Any]) -> None:
+    """Write the results as JSON, this machine's cache folder written as ``$TOKENROUTER_CACHE``
+    (results are shared; where a file lay on one host is not a result)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    text = json.dumps(data, indent=1, default=str).replace(str(cache_dir()), "$TOKENROUTER_CACHE")
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
-        json.dump(data, f, indent=1, default=str)
-        f.write("\n")
+        f.write(text + "\n")
     os.replace(tmp, path)
 
 
