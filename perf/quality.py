@@ -1147,7 +1147,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(f"--pair: known pairs are {sorted(PAIRS)}")
     try:
         every = {pr["task_id"]: pr for pr in task.problems("all")}
-        problems = select_problems(task.problems(a.split), a.problems)
+        split = task.problems(a.split)
+        try:
+            problems = select_problems(split, a.problems)
+        except ValueError as e:
+            raise ValueError(f"{e} (the {a.task} {a.split} split has {len(split)} problems)") from None
         points = parse_points([b for b in a.baselines.split(",") if b.strip()], _floats(a.random), a.points)
     except ValueError as e:
         ap.error(str(e))

@@ -55,6 +55,7 @@ MATH_DEV = 60            # the first MATH_DEV MATH-500 items of en.json are the 
 GSM_SUFFIX = " Give the result as your final answer. Do not include units."  # GSMSymbolicDataset.__getitem__
 CUT = "cut at max_tokens"  # the result of an answer cut by max_tokens (wrong)
 MATH_GRADE_TIMEOUT_S = 5   # math-verify's own timeouts per parse / comparison (main thread only)
+MAX_ANSWER_CHARS = 1000    # a boxed answer longer than this is wrong without parsing (bounds grading time)
 
 
 class Task:
@@ -202,6 +203,8 @@ def last_boxed(text: str) -> Optional[str]:
         return None
     i = best[0] + len(best[1])
     rest = text[i:]
+    if rest[:1].isdigit():  # \boxed5: one digit, as TeX reads it
+        return rest[0]
     if rest.startswith(" ") and not rest.lstrip().startswith("{"):
         word = rest.strip().split()
         return word[0].rstrip(".$") if word else None
@@ -261,12 +264,16 @@ class _MathTask(Task):
 
     def grade(self, problem, text, finish_reason, timeout_s=10.0, memory_mb=1024):
         """The last boxed answer against ``problem["answer"]`` (:func:`grade_math`); an answer cut
-        at ``max_tokens`` or with no ``\\boxed{}`` is wrong."""
+        at ``max_tokens``, with no ``\\boxed{}`` or a boxed answer over :data:`MAX_ANSWER_CHARS`
+        characters (math-verify may spend its 5 s timeout on each parse of such a string) is wrong."""
         boxed = last_boxed(text)
         if finish_reason == "length":
             return {"passed": False, "result": CUT, "completion": boxed or ""}
         if boxed is None:
             return {"passed": False, "result": "no boxed answer", "completion": ""}
+        if len(boxed) > MAX_ANSWER_CHARS:
+            return {"passed": False, "result": f"boxed answer longer than {MAX_ANSWER_CHARS} characters",
+                    "completion": boxed[:MAX_ANSWER_CHARS]}
         ok = grade_math(boxed, str(problem["answer"]))
         return {"passed": ok, "result": "passed" if ok else f"wrong: {boxed[:80]} (reference {problem['answer']})",
                 "completion": boxed}

@@ -86,6 +86,7 @@ def test_math_prompt_is_the_chat_template_with_qwens_instruction():
     ("\\boxed{\\left( 3, \\frac{\\pi}{2} \\right)}", "\\left( 3, \\frac{\\pi}{2} \\right)"),
     ("\\fbox{7}", "7"),
     ("$\\boxed 5$.", "5"),
+    ("\\boxed5", "5"),
     ("no box here: 42", None),
     ("cut inside \\boxed{\\frac{1}{", None),
 ])
@@ -120,6 +121,8 @@ def test_grade_counts_cut_and_unboxed_answers_wrong():
     assert GSM.grade(p, "... \\boxed{65}", "length")["passed"] is False
     assert GSM.grade(p, "... \\boxed{65}", "length")["result"] == tasks.CUT
     assert GSM.grade(p, "the answer is 65", "stop") == {"passed": False, "result": "no boxed answer", "completion": ""}
+    long = GSM.grade(p, "\\boxed{" + "(" * 50_000 + "}", "stop")
+    assert long["passed"] is False and long["result"].startswith("boxed answer longer than")
     wrong = GSM.grade(p, "\\boxed{64}", "stop")
     assert wrong["passed"] is False and wrong["result"].startswith("wrong: 64")
 
