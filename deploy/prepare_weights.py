@@ -120,9 +120,9 @@ def cpu_compat() -> None:
     The venv holds PyPI's torchvision (a CUDA build, needed by sglang's imports) next
     to the CPU torch; transformers then fails to import ("operator torchvision::nms
     does not exist") unless the op schemas are declared first, which the project's
-    tokenrouter.engine.sglang_cpu_compat does (a no-op where CUDA is present).
+    tokenrouter.engine.cpu does (a no-op where CUDA is present).
     """
-    from tokenrouter.engine.sglang_cpu_compat import install
+    from tokenrouter.engine.cpu import install
 
     install()
 
@@ -260,12 +260,12 @@ def convert_smollm2(dest: Path, bar) -> None:
 def checkpoint_dtype() -> str:
     """bfloat16 where the CPU computes bf16 natively (or a GPU is present), else float32.
 
-    The rule of the engine's ``dtype: auto`` (``tokenrouter.engine.sglang_engine.resolve_dtype``),
+    The rule of the engine's ``dtype: auto`` (``tokenrouter.engine.device.resolve_dtype``),
     so the served weights need no conversion at load.
     """
     cpu_compat()
     import torch
-    from tokenrouter.engine.sglang_engine import resolve_dtype
+    from tokenrouter.engine.device import resolve_dtype
 
     return resolve_dtype("auto", "cuda" if torch.cuda.is_available() else "cpu")
 

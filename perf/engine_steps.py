@@ -66,7 +66,8 @@ def main(argv=None) -> int:
     if not bs or min(bs) < 1 or a.context < 1 or a.decode_steps < 1 or a.threads < 1 or a.alternations < 1:
         ap.error("--batch-sizes, --context, --decode-steps, --threads and --alternations take positive integers")
 
-    from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
+    from tokenrouter.engine.config import EngineConfig
+    from tokenrouter.engine.sglang_engine import SGLangEngine
     from tokenrouter.triton.common import resolve_model_path
 
     need = max(bs) * (a.context + a.decode_steps + 4)
@@ -77,13 +78,13 @@ def main(argv=None) -> int:
     if a.sglang_decode:
         from sglang.srt.layers.attention import torch_native_backend as tnb
 
-        from tokenrouter.engine import sglang_cpu_compat as compat
-        if compat._orig_sdpa_decode is None:
+        from tokenrouter.engine.cpu import attention
+        if attention._orig_sdpa_decode is None:
             ap.error("--sglang-decode: the batched CPU attention is not installed here (a GPU host?)")
-        tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = compat._orig_sdpa_decode
+        tnb.TorchNativeAttnBackend._run_sdpa_forward_decode = attention._orig_sdpa_decode
     if a.kv_gather == "two-copy":
-        from tokenrouter.engine import sglang_cpu_compat as compat
-        compat.HEAD_ROW_GATHER = False
+        from tokenrouter.engine.cpu import attention
+        attention.HEAD_ROW_GATHER = False
     engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
     if a.kv_gather == "both":
         return _alternate_kv_gather(engine, max(bs), a.context, a.decode_steps, a.alternations)
@@ -113,14 +114,14 @@ def _alternate_kv_gather(engine, rows: int, context: int, steps: int, pairs: int
     minutes apart in separate runs do not separate a 5-10 % change."""
     import statistics
 
-    from tokenrouter.engine import sglang_cpu_compat as compat
+    from tokenrouter.engine.cpu import attention
 
     times = {True: [], False: []}
     for i in range(pairs):
         for flag in ((False, True) if i % 2 == 0 else (True, False)):
-            compat.HEAD_ROW_GATHER = flag
+            attention.HEAD_ROW_GATHER = flag
             times[flag].append(engine.calibrate([rows], context=context, decode_steps=steps)[0]["decode_median_s"] * 1e3)
-    compat.HEAD_ROW_GATHER = True
+    attention.HEAD_ROW_GATHER = True
     ratios = [a / b for a, b in zip(times[False], times[True])]
     print(f"{rows} rows, context {context}, {pairs} alternations: decode step median two-copy "
           f"{statistics.median(times[False]):.1f} ms, head-rows {statistics.median(times[True]):.1f} ms; "

@@ -225,7 +225,7 @@ def measure(name: str, shape: Shape, batches: List[int], context: int, prefills:
 def check() -> int:
     """The decoder's logits against transformers' LlamaForCausalLM (CPU, float32, tiny shape)."""
     try:  # the project's CPU venv needs its torchvision shim before transformers is imported
-        from tokenrouter.engine.sglang_cpu_compat import install
+        from tokenrouter.engine.cpu import install
 
         install()
     except ImportError:

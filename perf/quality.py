@@ -683,7 +683,7 @@ def served_dtype(repo: str, model: str) -> str:
     params = read_config(os.path.join(repo, model, "config.pbtxt")).parameters
     dtype = params["dtype"].string_value if "dtype" in params else "auto"
     if dtype == "auto":
-        from tokenrouter.engine.sglang_engine import resolve_dtype
+        from tokenrouter.engine.device import resolve_dtype
 
         dtype = resolve_dtype("auto", "cpu")
     return dtype
@@ -697,7 +697,7 @@ def reference_generate(model_dir: str, dtype: str, tokenizer, prompts: Sequence[
     (special tokens skipped), stopped at EOS / end of turn (the router's stop ids) or at a string
     of ``stop`` (``stop_strings``; default HumanEval's :data:`STOP`).
     """
-    from tokenrouter.engine.sglang_cpu_compat import install
+    from tokenrouter.engine.cpu import install
 
     install()  # PyPI's CUDA torchvision beside the CPU torch: transformers' model classes import it
     import torch

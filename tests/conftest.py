@@ -14,7 +14,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # The venv holds PyPI's torchvision (a CUDA build sglang imports) beside the CPU
 # torch; without this, `import transformers` fails in host-side tests with
 # "operator torchvision::nms does not exist". No-op where CUDA is present.
-from tokenrouter.engine.sglang_cpu_compat import install as _cpu_compat  # noqa: E402
+from tokenrouter.engine.cpu import install as _cpu_compat  # noqa: E402
 
 _cpu_compat()
 
@@ -105,14 +105,16 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def smollm2_engine():
-    """One in-process SGLang engine (SmolLM2-135M, 2,048-token KV pool) for the whole session.
+    """One in-process SGLang engine (SmolLM2-135M, 2,048-token KV pool, prefix cache off) for the whole session.
 
     SGLang's runner initialises its process-wide parallel state once, so a second engine in
     the same pytest process fails ("init_parallel_runtime() ran twice"): every test file that
     needs an engine in the test process shares this one and releases what it adds.
     """
-    from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
+    from tokenrouter.engine.config import EngineConfig
+    from tokenrouter.engine.sglang_engine import SGLangEngine
 
     path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
-    return SGLangEngine(EngineConfig(model_path=path, kv_pool_tokens=2048, max_running_requests=8, torch_threads=2))
+    return SGLangEngine(EngineConfig(model_path=path, kv_pool_tokens=2048, max_running_requests=8, torch_threads=2,
+                                     prefix_cache=False))
 

@@ -14,7 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from tokenrouter.engine.lockstep import LockStep, TurnRing
-from tokenrouter.engine.subserver import Autonomous, SubserverConfig
+from tokenrouter.engine.config import SubserverConfig
+from tokenrouter.engine.strategy import Autonomous
 
 
 def _holder(ready: int, held: int, *, b: int = 4, max_wait_s: float = 30.0, ready_since: float = 0.0):

@@ -244,15 +244,16 @@ def test_gpu_parameters_reach_sglang_server_args(tmp_path):
     deployment.render(SRC_REPO, out, target="gpu", models=["llm"], model_paths={"llm": str(ckpt)},
                       params={"llm": {"mem_fraction_static": "0.45", "attention_backend": "fa3"}})
     settings = LLMSettings.from_parameters(_params(read_config(os.path.join(out, "llm", "config.pbtxt"))))
-    engine_kwargs = settings.engine_kwargs()
-    from tokenrouter.engine.sglang_engine import EngineConfig, server_args_kwargs
+    import dataclasses
 
-    cfg = EngineConfig(**engine_kwargs, gpu_id=2)
+    from tokenrouter.engine.device import server_args_kwargs
+
+    cfg = dataclasses.replace(settings.engine, gpu_id=2)
     assert (cfg.device, cfg.cuda_graph, cfg.dtype, cfg.mem_fraction_static) == ("cuda", True, "bfloat16", 0.45)
     kw = server_args_kwargs(cfg, "cuda")
     assert kw["device"] == "cuda" and kw["base_gpu_id"] == 2 and kw["attention_backend"] == "fa3"
     assert "disable_cuda_graph" not in kw and kw["cuda_graph_max_bs_decode"] == cfg.cuda_graph_max_bs > 0
-    off = server_args_kwargs(EngineConfig(**{**engine_kwargs, "cuda_graph": False}), "cuda")
+    off = server_args_kwargs(dataclasses.replace(cfg, cuda_graph=False), "cuda")
     assert off["disable_cuda_graph"] is True
     cpu = server_args_kwargs(cfg, "cpu")
     assert cpu["device"] == "cpu" and cpu["disable_cuda_graph"] is True and "base_gpu_id" not in cpu
@@ -263,7 +264,8 @@ def test_gpu_parameters_reach_sglang_server_args(tmp_path):
 
 def test_dtype_auto_is_bfloat16_only_where_the_hardware_computes_it(tmp_path):
     """dtype "auto" (the size-realistic pair's): bf16 on GPUs and CPUs with native bf16, else fp32."""
-    from tokenrouter.engine.sglang_engine import EngineConfig, cpu_has_native_bf16, resolve_dtype, server_args_kwargs
+    from tokenrouter.engine.config import EngineConfig
+    from tokenrouter.engine.device import cpu_has_native_bf16, resolve_dtype, server_args_kwargs
     from tokenrouter.tools.repository import PAIRS
 
     def cpuinfo(name, text):

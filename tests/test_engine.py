@@ -68,7 +68,7 @@ def test_suspend_resume_matches_uninterrupted(engine):
 
 
 def test_release_is_idempotent_and_capacity_checked(engine):
-    from tokenrouter.engine.sglang_engine import KVCapacityError
+    from tokenrouter.engine.sequence import KVCapacityError
 
     s = engine.add("x", [1, 2, 3])
     engine.forward([s])
@@ -139,7 +139,7 @@ def test_cpu_prepacked_linear_weights_give_the_same_logits(engine, monkeypatch):
     "dual" as configured (1-3 rows row-major, more rows packed) and packed for every
     batch size.
     """
-    from tokenrouter.engine.sglang_cpu_compat import _PrepackedLinear
+    from tokenrouter.engine.cpu.linear import _PrepackedLinear
 
     assert engine.prepacked_layers > 0, "the default engine should prepack its linear layers on the CPU"
     wrapped = [(m, m.quant_method) for m in engine.runner.model.modules()
@@ -173,17 +173,17 @@ def test_cpu_attention_matches_sglang(engine):
     """
     from sglang.srt.layers.attention import torch_native_backend as tnb
 
-    from tokenrouter.engine import sglang_cpu_compat as compat
+    from tokenrouter.engine.cpu import attention as cpu_attention
 
     cls = tnb.TorchNativeAttnBackend
-    assert cls._run_sdpa_forward_extend is compat._sdpa_forward_extend_new_rows, "patch not installed on the CPU"
-    assert cls._run_sdpa_forward_decode is compat._sdpa_forward_decode_batched, "patch not installed on the CPU"
+    assert cls._run_sdpa_forward_extend is cpu_attention._sdpa_forward_extend_new_rows, "patch not installed on the CPU"
+    assert cls._run_sdpa_forward_decode is cpu_attention._sdpa_forward_decode_batched, "patch not installed on the CPU"
     tok = engine.tokenizer
     long_prompt = tok.encode("Tell me about the history of the printing press. " * 20)  # ~200 tokens
-    assert len(long_prompt) >= 200 and 9 > compat.GROUP_MAX_NEW >= 3
+    assert len(long_prompt) >= 200 and 9 > cpu_attention.GROUP_MAX_NEW >= 3
     lengths = (200, 190, 185, 30, 150, 25, 60, 55)
     new_tokens = (1, 2, 2, 1, 9, 1, 3, 3)
-    assert len(compat._split_padding([(0, 200, 0), (3, 30, 1), (5, 25, 2)])) == 2
+    assert len(cpu_attention._split_padding([(0, 200, 0), (3, 30, 1), (5, 25, 2)])) == 2
 
     def run(tag):
         seqs = [engine.add(f"{tag}-{i}", long_prompt[:L]) for i, L in enumerate(lengths)]
@@ -210,12 +210,12 @@ def test_cpu_attention_matches_sglang(engine):
         return out
 
     new = run("new")
-    cls._run_sdpa_forward_extend, cls._run_sdpa_forward_decode = compat._orig_sdpa_extend, compat._orig_sdpa_decode
+    cls._run_sdpa_forward_extend, cls._run_sdpa_forward_decode = cpu_attention._orig_sdpa_extend, cpu_attention._orig_sdpa_decode
     try:
         ref = run("ref")
     finally:
-        cls._run_sdpa_forward_extend = compat._sdpa_forward_extend_new_rows
-        cls._run_sdpa_forward_decode = compat._sdpa_forward_decode_batched
+        cls._run_sdpa_forward_extend = cpu_attention._sdpa_forward_extend_new_rows
+        cls._run_sdpa_forward_decode = cpu_attention._sdpa_forward_decode_batched
     assert len(new) == len(ref) == 6
     for a, b in zip(new, ref):
         assert a.shape == b.shape and a.shape[1] == engine.vocab_size
@@ -233,9 +233,9 @@ def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads, g
     group split by its padding.  K/V gathered head-major in one copy (served), in two
     copies (``HEAD_ROW_GATHER`` off), and from a pool that is not contiguous (a strided
     view, which must take the two-copy path and not copy the pool)."""
-    from tokenrouter.engine import sglang_cpu_compat as compat
+    from tokenrouter.engine.cpu import attention as cpu_attention
 
-    monkeypatch.setattr(compat, "HEAD_ROW_GATHER", gather != "two-copy")
+    monkeypatch.setattr(cpu_attention, "HEAD_ROW_GATHER", gather != "two-copy")
 
     g = torch.Generator().manual_seed(0)
     d, pool, rows_max, ctx = 16, 4096, 16, 512
@@ -252,7 +252,7 @@ def test_cpu_group_attention_matches_float64_reference(dtype, heads, kv_heads, g
         v_cache = torch.stack((v_cache, torch.full_like(v_cache, float("nan"))), 1).view(2 * pool, kv_heads, d)[::2]
         assert not k_cache.is_contiguous()
     q_tok = torch.randn(sum(new), heads, d, generator=g).to(dtype)
-    plan = compat._StepPlan(None, torch.tensor(range(len(lengths))), torch.tensor(lengths), list(new), req_to_token)
+    plan = cpu_attention._StepPlan(None, torch.tensor(range(len(lengths))), torch.tensor(lengths), list(new), req_to_token)
     assert not plan.lone and len(plan.groups) >= 4  # by count, and the 1-token group split by padding
     out = torch.zeros_like(q_tok)
     for grp in plan.groups:
@@ -280,13 +280,13 @@ def test_cpu_rotary_embedding_is_bit_identical_to_sglangs(engine, dtype):
     keys, also when the positions tensor is changed in place or replaced within one step
     (the cached cos/sin must follow), and the served model actually uses it."""
     from sglang.srt.layers.rotary_embedding import base as rope_base
-    from tokenrouter.engine import sglang_cpu_compat as compat
+    from tokenrouter.engine.cpu import rope as cpu_rope
 
-    if compat._orig_rope_native is None:
+    if cpu_rope._orig_rope_native is None:
         pytest.skip("the CPU rotary embedding is not installed on this host")
-    assert rope_base.RotaryEmbedding.forward_native is compat._rope_forward_native
+    assert rope_base.RotaryEmbedding.forward_native is cpu_rope._rope_forward_native
     rope = next(m for m in engine.runner.model.modules() if isinstance(m, rope_base.RotaryEmbedding))
-    assert rope._forward_method.__func__ is compat._rope_forward_native  # what the layers call
+    assert rope._forward_method.__func__ is cpu_rope._rope_forward_native  # what the layers call
     cfg = engine.model_config
     heads, kv_heads, d = cfg.num_attention_heads, cfg.num_key_value_heads, rope.head_size
     g = torch.Generator().manual_seed(1)
@@ -299,12 +299,12 @@ def test_cpu_rotary_embedding_is_bit_identical_to_sglangs(engine, dtype):
         T = positions.shape[0]
         qkv = torch.randn(T, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
         q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)  # strided views, as served
-        q_ref, k_ref = compat._orig_rope_native(rope, positions, q.clone(), k.clone())
+        q_ref, k_ref = cpu_rope._orig_rope_native(rope, positions, q.clone(), k.clone())
         for _ in range(2):  # the second call reads the cached cos/sin
-            q_got, k_got = compat._rope_forward_native(rope, positions, q, k)
+            q_got, k_got = cpu_rope._rope_forward_native(rope, positions, q, k)
             assert q_got.shape == q.shape and k_got.shape == k.shape
             assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref), step
     offsets = torch.ones_like(positions)  # not the fast path: SGLang's own result
-    q_got, k_got = compat._rope_forward_native(rope, positions, q, k, offsets)
-    q_ref, k_ref = compat._orig_rope_native(rope, positions, q, k, offsets)
+    q_got, k_got = cpu_rope._rope_forward_native(rope, positions, q, k, offsets)
+    q_ref, k_ref = cpu_rope._orig_rope_native(rope, positions, q, k, offsets)
     assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref)

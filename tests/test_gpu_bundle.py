@@ -145,7 +145,8 @@ print("ok")
 
 
 def test_torch_native_on_a_gpu_runs_without_cuda_graphs():
-    from tokenrouter.engine.sglang_engine import EngineConfig, server_args_kwargs
+    from tokenrouter.engine.config import EngineConfig
+    from tokenrouter.engine.device import server_args_kwargs
 
     native = server_args_kwargs(EngineConfig(model_path="m", attention_backend="torch_native"), "cuda")
     assert native["disable_cuda_graph"] is True and native["attention_backend"] == "torch_native"

@@ -29,9 +29,9 @@ N_TOKENS = 32
 @pytest.fixture(scope="module")
 def hf_greedy():
     """Greedy continuations of PROMPTS by plain transformers (fp32), N_TOKENS each, no EOS stop."""
-    from tokenrouter.engine import sglang_cpu_compat
+    from tokenrouter.engine import cpu
 
-    sglang_cpu_compat.install()
+    cpu.install()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -25,11 +25,11 @@ def _setup():
             pass
     # tokenrouter and scheduler_model are installed in the stub's venv (pyproject.toml;
     # deploy/env.sh points the venv at this checkout)
-    from tokenrouter.engine import sglang_cpu_compat
+    from tokenrouter.engine import cpu
     from tokenrouter.triton import stub_guard
 
     stub_guard.start_reaper()  # first: kills this stub if its server dies and leaves it hung
-    sglang_cpu_compat.install()  # before transformers/sglang are imported; no-op with a GPU
+    cpu.install()  # before transformers/sglang are imported; no-op with a GPU
 
 
 _setup()

@@ -5,7 +5,7 @@ SGLang nor network: the packages it lacks travel as wheels (``perf/gpu/build_bun
 and are installed here into ``--site`` first (``pip install --no-index --no-deps
 --target``).  SGLang runs without ``sgl_kernel`` and flashinfer
 (``perf/gpu/sglang_gpu_compat.py``): torch reference ops, the ``torch_native``
-attention backend with TokenRouter's batched attention (``sglang_cpu_compat``'s, device
+attention backend with TokenRouter's batched attention (``tokenrouter.engine.cpu``'s, device
 agnostic), no CUDA graphs (SGLang has none for that backend).
 
 What it measures, per pair of random-weight models (``load_format="dummy"``, bf16,
@@ -255,9 +255,9 @@ def prepare_process(dry_run: bool) -> Dict[str, Any]:
         info["gpu"] = torch.cuda.get_device_name(0)
     else:
         os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-        from tokenrouter.engine import sglang_cpu_compat
+        from tokenrouter.engine import cpu
 
-        sglang_cpu_compat.install()
+        cpu.install()
     return info
 
 
@@ -304,8 +304,10 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
 
             sglang_gpu_compat.patch_loaded_sglang()
         from tokenrouter.engine.lockstep import TurnRing
-        from tokenrouter.engine.sglang_engine import EngineConfig, SGLangEngine
-        from tokenrouter.engine.subserver import Subserver, SubserverConfig
+        from tokenrouter.engine.config import EngineConfig
+        from tokenrouter.engine.sglang_engine import SGLangEngine
+        from tokenrouter.engine.config import SubserverConfig
+        from tokenrouter.engine.subserver import Subserver
         from tokenrouter.routing.peer import PeerServer
 
         t0 = time.perf_counter()
@@ -541,7 +543,7 @@ def run_pair(pair: str, shapes: Tuple[str, str], args, results: Dict[str, Any], 
     kv = max(args.calib_sizes) * (args.calib_context + 16) + 64 * (args.max_tokens + 64)
     engine = dict(dtype=args.dtype, kv_pool_tokens=kv, max_running_requests=max(64, max(args.calib_sizes)) + 8,
                   context_length=ctx, load_format="dummy", device=args.device, attention_backend="torch_native",
-                  cuda_graph=False, torch_threads=args.torch_threads)
+                  cuda_graph=False, torch_threads=args.torch_threads, prefix_cache=False)
     if args.device == "cuda":
         engine["mem_fraction_static"] = args.mem_fraction
     models = {m: ({**engine, "model_path": dirs[m]}, {"stream_interval": 1, "prefill_chunk_tokens": 2048})

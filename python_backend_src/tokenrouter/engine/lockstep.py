@@ -10,8 +10,8 @@ ready requests (else passes at once) and then hands the turn to the next.
 Only the model holding the turn writes the counter, so no lock is needed.
 
 :class:`LockStep` is the decode loop's strategy for this baseline
-(:class:`tokenrouter.engine.subserver.DecodeStrategy`; the product's is
-:class:`~tokenrouter.engine.subserver.Autonomous`).  A subserver runs it while its
+(:class:`tokenrouter.engine.strategy.DecodeStrategy`; the product's is
+:class:`~tokenrouter.engine.strategy.Autonomous`).  A subserver runs it while its
 ``SubserverConfig.lockstep`` holds a :class:`TurnRing`.
 """
 

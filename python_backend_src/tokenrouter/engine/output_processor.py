@@ -2,35 +2,74 @@
 
 Mirrors SGLang's ``SchedulerOutputProcessorMixin`` (``process_batch_result``): the decode
 loop (:class:`~tokenrouter.engine.subserver.Subserver`) runs the forward, then hands the
-logits here.  Per row: sample a token, let the request's routing algorithm decide
-(``route``; paper §Design, request-centric ``route``/``send``/``receive``), commit it,
-and either finish the request, hand it off to a peer (it becomes *pending*, its KV kept)
-or stream its committed tokens.  Also the step's counters and routing events
-(scheduler_model's event format: ``step`` and ``handoff``).
+logits here.  The step's rows are sampled at once (:meth:`OutputProcessorMixin._sample`);
+then each row has one outcome (:meth:`OutputProcessorMixin._process_row`): its routing
+algorithm decides (``route``; paper §Design, request-centric ``route``/``send``/``receive``),
+its tokens are committed, and it *finishes*, is *handed off* to a peer (it becomes *pending*,
+its KV kept), *streams* its committed tokens, is *kept* for the next step, or fails alone
+(*error*).  Last the step is accounted (:meth:`OutputProcessorMixin._account_step`): counters
+and routing events (scheduler_model's event format: ``step`` and ``handoff``).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Dict, List
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 from ..protocol import FinishReason, StepResult, Verdict
+from .request import LocalRequest
 from .sampling import normalized_entropy
-
-#: a :class:`tokenrouter.engine.subserver.LocalRequest` (subserver imports this module, not the reverse)
-LocalRequest = Any
+from .sequence import ForwardOutput
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OutputProcessorMixin"]
+__all__ = ["OutputProcessorMixin", "SampledRows", "StepTally", "ROW_OUTCOMES"]
+
+#: what :meth:`OutputProcessorMixin._process_row` returns
+ROW_OUTCOMES = ("error", "finished", "handoff", "streamed", "kept")
+
+
+@dataclass
+class SampledRows:
+    """The tokens sampled for one step's rows (row i: request i of the batch).
+
+    Attributes:
+        tokens: int token id per row.
+        logprobs: its raw log-probability per row (float).
+        probs: its probability per row (float).
+        entropies: the row's normalised entropy (in [0, 1]).
+        errors: row index -> message, for rows whose sampling failed.
+    """
+
+    tokens: List[int]
+    logprobs: List[float]
+    probs: List[float]
+    entropies: List[float]
+    errors: Dict[int, str]
+
+
+@dataclass
+class StepTally:
+    """What a step's rows add up to, for its accounting.
+
+    Attributes:
+        committed: tokens committed in the step.
+        handoffs: ``(rid, step, peer model, tokens committed (0/1), score)`` per handoff.
+        send_s: seconds spent handing answers to sinks.
+    """
+
+    committed: int = 0
+    handoffs: List[Tuple[str, int, str, int, Any]] = field(default_factory=list)
+    send_s: float = 0.0
 
 
 class OutputProcessorMixin:
-    """Step results of a :class:`~tokenrouter.engine.subserver.Subserver` (uses its sampler,
-    counters, config, event sink, ``ready`` queue, ``_end_segment`` and ``_release``)."""
+    """Step results of a :class:`~tokenrouter.engine.subserver.Subserver` (uses its engine, sampler,
+    counters, config, name, event sink, ``ready`` queue, ``_end_segment`` and ``_release``)."""
 
     @staticmethod
     def _sampling_context(lr: LocalRequest):
@@ -102,145 +141,195 @@ class OutputProcessorMixin:
         lr.spec_round = {"drafted": len(drafts), "accepted": n_acc, "drafter": lr.algo.peer_model(1)}
         return toks, lps, in_seq
 
-    def process_batch_result(self, batch: List[LocalRequest], out, t0: float, t_fwd: float,
+    def process_batch_result(self, batch: List[LocalRequest], out: ForwardOutput, t0: float, t_fwd: float,
                              has_prefill: bool) -> None:
         """Sample, route, commit and stream the results of one forward step (loop thread).
 
         Args:
             batch: the step's requests, in the rows' order of ``out``.
-            out: the engine's ``ForwardOutput``: ``logits`` float32 ``[len(batch), vocab]``,
-                ``hidden`` (or None), ``extend_tokens``, ``num_extend``, ``latency_s``.
+            out: the engine's output: ``logits`` float32 ``[len(batch), vocab]``, ``hidden`` (or None),
+                ``extend_tokens``, ``num_extend``, ``latency_s``, ``position_logits``.
             t0, t_fwd: ``time.perf_counter()`` at the start of the step and after the forward (s).
             has_prefill: the step ran a request's first prompt.
 
-        Each row samples its token, asks its routing algorithm ``route`` (paper §Design,
-        request-centric algorithms: 0 keeps the request here, k hands it to peer k), then
-        commits, finishes, hands off (``send``; the request becomes pending here) or
-        streams.  A row whose sampling fails ends that request alone.
+        A row whose sampling or verification fails ends that request alone.
         """
-        logits = out.logits
-        logp = torch.log_softmax(logits, dim=-1)
-        ent = normalized_entropy(logp).tolist()
-        row_errors: Dict[int, str] = {}
-        toks_t = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch],
-                                     errors=row_errors, contexts=[self._sampling_context(lr) for lr in batch])
-        tok_logp = logp.gather(1, toks_t.view(-1, 1)).view(-1)
-        probs = tok_logp.exp().tolist()
-        tok_logp = tok_logp.tolist()
-        toks = toks_t.tolist()
-        self.counters["steps"] += 1
-        self.counters["extend_tokens"] += out.extend_tokens
-        self.counters["extend_runs"] += out.num_extend
-        self.counters["decode_tokens"] += len(batch) - out.num_extend
-        committed_total = 0
-        handoff_events = []
-        send_s = 0.0
+        sampled = self._sample(batch, out)
+        tally = StepTally()
         for i, lr in enumerate(batch):
-            if i in row_errors:  # this request alone fails
-                self.counters["errors"] += 1
-                self._release(lr.rid, "error", f"model {self.name}: {row_errors[i]}")
-                continue
-            hdr = lr.header
-            res = StepResult(rid=lr.rid, model_index=lr.algo.model_index, token_id=toks[i],
-                             norm_entropy=ent[i], prob=probs[i], step=hdr.num_generated,
-                             hidden=None if out.hidden is None else out.hidden[i],
-                             logits=logits[i], state=lr)
-            drafted, verified = None, None
-            try:
-                if lr.verify:  # speculative decoding: this step ran a peer's drafts
-                    pos = out.position_logits[i] if getattr(out, "position_logits", None) else None
-                    verified = self._verify_row(lr, res, pos)
-                else:
-                    drafted = lr.algo.draft(res)
-            except (ValueError, RuntimeError) as e:  # this request alone fails
-                logger.exception("speculative step of %s failed on %s", lr.rid, self.name)
-                self.counters["errors"] += 1
-                self._release(lr.rid, "error", f"model {self.name}: {e}")
-                continue
-            k = lr.algo.route(res)
-            if k != 0 and hdr.down_models and hdr.models[lr.algo.peer_model(k)] in hdr.down_models:
-                k = 0  # that peer is down (router's fallback mode): this model keeps writing
-            lr.algo.step_scores.append(lr.algo.last_score)
-            hdr.step += 1
-            if drafted is not None:  # a draft: in the sequence (KV next step), not output
-                lr.seq.tokens.append(int(drafted))
-                lr.drafts += 1
-                self.counters["draft_tokens"] += 1
-                commit_toks, commit_lps, in_seq = [], [], 0
-            elif verified is not None:  # kept drafts + own token; the first in_seq already in the sequence
-                commit_toks, commit_lps, in_seq = verified
-            elif k == 0 or lr.algo.commit_on_handoff(res):
-                commit_toks, commit_lps, in_seq = [toks[i]], [tok_logp[i]], 0
+            self._process_row(lr, i, out, sampled, tally)
+        self._account_step(len(batch), out, t0, t_fwd, has_prefill, tally)
+        self._requeue(batch)
+
+    def _sample(self, batch: List[LocalRequest], out: ForwardOutput) -> SampledRows:
+        """One token per row, with its log-probability, probability and the row's entropy."""
+        logp = torch.log_softmax(out.logits, dim=-1)
+        errors: Dict[int, str] = {}
+        toks = self.sampler.sample(out.logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch],
+                                   errors=errors, contexts=[self._sampling_context(lr) for lr in batch])
+        tok_logp = logp.gather(1, toks.view(-1, 1)).view(-1)
+        return SampledRows(tokens=toks.tolist(), logprobs=tok_logp.tolist(), probs=tok_logp.exp().tolist(),
+                           entropies=normalized_entropy(logp).tolist(), errors=errors)
+
+    def _process_row(self, lr: LocalRequest, i: int, out: ForwardOutput, sampled: SampledRows,
+                     tally: StepTally) -> str:
+        """Row ``i``'s outcome: route the request, commit its tokens, then finish it, hand it off,
+        stream or keep it.  Returns one of :data:`ROW_OUTCOMES`."""
+        if i in sampled.errors:  # this request alone fails
+            return self._fail_row(lr, sampled.errors[i])
+        hdr = lr.header
+        res = StepResult(rid=lr.rid, model_index=lr.algo.model_index, token_id=sampled.tokens[i],
+                         norm_entropy=sampled.entropies[i], prob=sampled.probs[i], step=hdr.num_generated,
+                         hidden=None if out.hidden is None else out.hidden[i], logits=out.logits[i], state=lr)
+        drafted, verified = None, None
+        try:
+            if lr.verify:  # speculative decoding: this step ran a peer's drafts
+                verified = self._verify_row(lr, res, out.position_logits[i] if out.position_logits else None)
             else:
-                commit_toks, commit_lps, in_seq = [], [], 0
-            commit = bool(commit_toks)
-            finished_reason = None
-            for j, tok in enumerate(commit_toks):
-                if j >= in_seq:
-                    lr.seq.tokens.append(tok)
-                lr.unflushed.append(tok)
-                if hdr.sampling.get("logprobs"):
-                    lr.unflushed_logprobs.append(commit_lps[j])
-                hdr.num_generated += 1
-                committed_total += 1
-                if tok in hdr.stop_token_ids:
-                    finished_reason = FinishReason.STOP
-                elif hdr.num_generated >= hdr.max_tokens:
-                    finished_reason = FinishReason.LENGTH
-                if finished_reason is not None:
-                    if lr.spec_round is not None:  # drafts after the end are not output
-                        lr.spec_round["accepted"] = min(lr.spec_round["accepted"], j + 1)
-                    break
-            if finished_reason is not None:
-                self.counters["finished"] += 1
-                self._end_segment(lr, "finished", {"finish_reason": finished_reason.value,
-                                                   "num_generated": hdr.num_generated})
-                self._release(lr.rid, "finished", "")
-            elif k != 0:
-                peer = lr.algo.peer_model(k)
-                pr = lr.algo.send(lr)
-                lr.loc = len(lr.seq.tokens)
-                self.counters["handoffs_out"] += 1
-                handoff_events.append((lr.rid, hdr.step, hdr.models[peer], 1 if commit else 0,
-                                       lr.algo.last_score))
-                ts = time.perf_counter()
-                self._end_segment(lr, "handoff", {"to": hdr.models[peer], "to_index": peer,
-                                                  "peer_req": pr.header_json(),
-                                                  "committed": bool(commit)})
-                send_s += time.perf_counter() - ts
-            elif len(lr.unflushed) >= self.config.stream_interval or hdr.num_generated == 1:
-                toks_out, lr.unflushed = lr.unflushed, []
-                ts = time.perf_counter()
-                try:
-                    lr.sink("tokens", toks_out, {"scores": lr.algo.take_scores(), **self._token_info(lr)})
-                except Exception:  # noqa: BLE001
-                    logger.exception("sink of %s failed", lr.rid)
-                send_s += time.perf_counter() - ts
+                drafted = lr.algo.draft(res)
+        except (ValueError, RuntimeError) as e:  # this request alone fails
+            logger.exception("speculative step of %s failed on %s", lr.rid, self.name)
+            return self._fail_row(lr, str(e))
+        k = self._route(lr, res)
+        if drafted is not None:  # a draft: in the sequence (KV next step), not output
+            lr.seq.tokens.append(int(drafted))
+            lr.drafts += 1
+            self.counters["draft_tokens"] += 1
+            toks, lps, in_seq = [], [], 0
+        elif verified is not None:  # kept drafts + own token; the first in_seq already in the sequence
+            toks, lps, in_seq = verified
+        elif k == 0 or lr.algo.commit_on_handoff(res):
+            toks, lps, in_seq = [sampled.tokens[i]], [sampled.logprobs[i]], 0
+        else:
+            toks, lps, in_seq = [], [], 0
+        n, finished = self._commit(lr, toks, lps, in_seq)
+        tally.committed += n
+        if finished is not None:
+            self.counters["finished"] += 1
+            self._end_segment(lr, "finished", {"finish_reason": finished.value, "num_generated": hdr.num_generated})
+            self._release(lr.rid, "finished", "")
+            return "finished"
+        if k != 0:
+            self._hand_off(lr, k, bool(toks), tally)
+            return "handoff"
+        if len(lr.unflushed) >= self.config.stream_interval or hdr.num_generated == 1:
+            self._stream(lr, tally)
+            return "streamed"
+        return "kept"
+
+    def _fail_row(self, lr: LocalRequest, message: str) -> str:
+        self.counters["errors"] += 1
+        self._release(lr.rid, "error", f"model {self.name}: {message}")
+        return "error"
+
+    def _route(self, lr: LocalRequest, res: StepResult) -> int:
+        """The algorithm's ``route`` (0 keeps the request here, k hands it to peer k), 0 where peer k
+        is down (the router's fallback mode: this model keeps writing); the step is counted."""
+        hdr = lr.header
+        k = lr.algo.route(res)
+        if k != 0 and hdr.down_models and hdr.models[lr.algo.peer_model(k)] in hdr.down_models:
+            k = 0
+        lr.algo.step_scores.append(lr.algo.last_score)
+        hdr.step += 1
+        return k
+
+    @staticmethod
+    def _commit(lr: LocalRequest, toks: List[int], lps: List[float],
+                in_seq: int) -> Tuple[int, Optional[FinishReason]]:
+        """Commit ``toks`` (their logprobs ``lps``; the first ``in_seq`` are in the sequence already) up
+        to the first that ends the request: a stop token or the ``max_tokens`` budget.
+
+        Returns:
+            ``(tokens committed, why the request finished or None)``.
+        """
+        hdr = lr.header
+        for j, tok in enumerate(toks):
+            if j >= in_seq:
+                lr.seq.tokens.append(tok)
+            lr.unflushed.append(tok)
+            if hdr.sampling.get("logprobs"):
+                lr.unflushed_logprobs.append(lps[j])
+            hdr.num_generated += 1
+            reason = FinishReason.STOP if tok in hdr.stop_token_ids else \
+                FinishReason.LENGTH if hdr.num_generated >= hdr.max_tokens else None
+            if reason is not None:
+                if lr.spec_round is not None:  # drafts after the end are not output
+                    lr.spec_round["accepted"] = min(lr.spec_round["accepted"], j + 1)
+                return j + 1, reason
+        return len(toks), None
+
+    def _hand_off(self, lr: LocalRequest, k: int, committed: bool, tally: StepTally) -> None:
+        """End the segment with a ``handoff`` to peer ``k`` carrying the algorithm's PeerReq (``send``);
+        the request becomes pending here, its KV kept."""
+        hdr = lr.header
+        peer = lr.algo.peer_model(k)
+        pr = lr.algo.send(lr)
+        lr.loc = len(lr.seq.tokens)
+        self.counters["handoffs_out"] += 1
+        tally.handoffs.append((lr.rid, hdr.step, hdr.models[peer], 1 if committed else 0, lr.algo.last_score))
+        ts = time.perf_counter()
+        self._end_segment(lr, "handoff", {"to": hdr.models[peer], "to_index": peer,
+                                          "peer_req": pr.header_json(), "committed": committed})
+        tally.send_s += time.perf_counter() - ts
+
+    def _stream(self, lr: LocalRequest, tally: StepTally) -> None:
+        """Send the request's unflushed committed tokens to its segment's sink."""
+        toks_out, lr.unflushed = lr.unflushed, []
+        ts = time.perf_counter()
+        try:
+            lr.sink("tokens", toks_out, {"scores": lr.algo.take_scores(), **self._token_info(lr)})
+        except Exception:  # noqa: BLE001
+            logger.exception("sink of %s failed", lr.rid)
+        tally.send_s += time.perf_counter() - ts
+
+    # ------------------------------------------------------------ step accounting
+    def _account_step(self, rows: int, out: ForwardOutput, t0: float, t_fwd: float, has_prefill: bool,
+                      tally: StepTally) -> None:
+        """Counters and routing events of a step of ``rows`` sampled rows (times ``time.perf_counter()``, s)."""
         t_end = time.perf_counter()
-        self.counters["step_time_us"] += int((t_end - t0) * 1e6)
-        self.counters["forward_us"] += int((t_fwd - t0) * 1e6)
+        self._account_forward(out, t0, t_fwd, t_end, out.num_extend)
+        self.counters["decode_tokens"] += rows - out.num_extend
         if not out.num_extend:  # pure decode steps
             self.counters["decode_steps"] += 1
             self.counters["decode_step_forward_us"] += int((t_fwd - t0) * 1e6)
         elif not has_prefill:  # steps that resume requests (no new prompt)
             self.counters["resume_steps"] += 1
             self.counters["resume_step_forward_us"] += int((t_fwd - t0) * 1e6)
-        self.counters["send_us"] += int(send_s * 1e6)
-        self.counters["route_us"] += int((t_end - t_fwd - send_s) * 1e6)
+        self.counters["send_us"] += int(tally.send_s * 1e6)
+        self.counters["route_us"] += int((t_end - t_fwd - tally.send_s) * 1e6)
+        now = self._step_event(rows, out, tally.committed)
         if self.event_sink is not None:
-            now = time.time()
-            self.event_sink({"event": "step", "model": self.name, "batch_size": len(batch),
-                             "latency_s": round(out.latency_s, 6), "tokens_committed": committed_total,
-                             "extend_tokens": out.extend_tokens, "t": now})
-            for rid, step, peer, c, score in handoff_events:
+            for rid, step, peer, c, score in tally.handoffs:
                 self.event_sink({"event": "handoff", "request_id": rid, "step": step, "from": self.name,
                                  "to": peer, "tokens_committed": c, "score": score, "t": now})
+
+    def _account_partial_step(self, out: ForwardOutput, t0: float, t_fwd: float, rows: int) -> None:
+        """Counters and step event of a step that ran only partial prefills (``rows`` of them; no token sampled)."""
+        self._account_forward(out, t0, t_fwd, time.perf_counter(), rows)
+        self._step_event(rows, out, 0)
+
+    def _account_forward(self, out: ForwardOutput, t0: float, t_fwd: float, t_end: float, extend_runs: int) -> None:
+        self.counters["steps"] += 1
+        self.counters["extend_tokens"] += out.extend_tokens
+        self.counters["extend_runs"] += extend_runs
+        self.counters["step_time_us"] += int((t_end - t0) * 1e6)
+        self.counters["forward_us"] += int((t_fwd - t0) * 1e6)
+
+    def _step_event(self, rows: int, out: ForwardOutput, committed: int) -> float:
+        """Send the ``step`` event (when there is an event sink); returns its time (``time.time()``)."""
+        now = time.time()
+        if self.event_sink is not None:
+            self.event_sink({"event": "step", "model": self.name, "batch_size": rows,
+                             "latency_s": round(out.latency_s, 6), "tokens_committed": committed,
+                             "extend_tokens": out.extend_tokens, "t": now})
+        return now
+
+    def _requeue(self, batch: List[LocalRequest]) -> None:
+        """The step's requests are prefilled; those that stay go to the back of the ready queue, their
+        delayed-batching wait restarting now."""
+        now = time.perf_counter()
         for lr in batch:
             lr.prefilled = True
-        # requests that stepped and stay go to the back of the queue; their
-        # delayed-batching wait restarts at the end of this step
-        now_pc = time.perf_counter()
-        for lr in batch:
             if lr.rid in self.ready:
-                lr.ready_since = now_pc
+                lr.ready_since = now
                 self.ready.move_to_end(lr.rid)

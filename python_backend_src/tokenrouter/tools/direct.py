@@ -19,12 +19,14 @@ __all__ = ["DirectCluster"]
 
 
 def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, Any], cmd_q, out_q) -> None:
-    from ..engine import sglang_cpu_compat
+    from ..engine import cpu
 
-    sglang_cpu_compat.install()
-    from ..engine.sglang_engine import EngineConfig, SGLangEngine
+    cpu.install()
+    from ..engine.config import EngineConfig
+    from ..engine.sglang_engine import SGLangEngine
     from ..algorithms import configure as configure_algorithm
-    from ..engine.subserver import Subserver, SubserverConfig
+    from ..engine.config import SubserverConfig
+    from ..engine.subserver import Subserver
     from ..routing.peer import PeerServer
 
     sub = Subserver(SGLangEngine(EngineConfig(**engine_kwargs)), name, SubserverConfig(**sched_kwargs),
@@ -41,8 +43,8 @@ class DirectCluster:
 
     Args:
         models: ``{name: (engine_kwargs, subserver_kwargs)}`` in deployment order
-            (keyword arguments of :class:`~tokenrouter.engine.sglang_engine.EngineConfig` and
-            :class:`~tokenrouter.engine.subserver.SubserverConfig`).
+            (keyword arguments of :class:`~tokenrouter.engine.config.EngineConfig` and
+            :class:`~tokenrouter.engine.config.SubserverConfig`).
         start_timeout_s: seconds to wait for every model to load.
 
     Raises:
@@ -116,9 +118,9 @@ class DirectRouter:
 
     def __init__(self, cluster: DirectCluster, models: List[str], tokenizer_path: str, algorithm: str,
                  params: Optional[Dict[str, Any]] = None):
-        from ..engine import sglang_cpu_compat
+        from ..engine import cpu
 
-        sglang_cpu_compat.install()
+        cpu.install()
         from transformers import AutoTokenizer
 
         from ..algorithms import configure as configure_algorithm

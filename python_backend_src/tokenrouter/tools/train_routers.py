@@ -55,9 +55,9 @@ import sys
 import time
 from typing import Dict, List, Tuple
 
-from ..engine import sglang_cpu_compat
+from ..engine import cpu
 
-sglang_cpu_compat.install()
+cpu.install()
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402

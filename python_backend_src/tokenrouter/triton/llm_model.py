@@ -49,10 +49,10 @@ models stepping in turn), ``event_log`` (JSON Lines of routing events; ``{model}
 is replaced by the model name), ``capture_hidden`` (return the last hidden
 state of every step to the routing algorithm: needed on model 0 by the learned
 routers of CITER, R2R and Co-LLM), ``cpu_linear_weights`` (CPU hosts: ``dual``
-default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.sglang_engine.EngineConfig`);
+default, ``packed`` or ``rowmajor``; see :class:`tokenrouter.engine.config.EngineConfig`);
 GPU hosts: ``device`` (``auto`` default, ``cuda``, ``cpu``), ``attention_backend``
 (SGLang's; empty: its default), ``cuda_graph`` (``true`` default), ``cuda_graph_max_bs``,
-``mem_fraction_static`` (see :class:`tokenrouter.engine.sglang_engine.EngineConfig`),
+``mem_fraction_static`` (see :class:`tokenrouter.engine.config.EngineConfig`),
 ``prefix_cache`` (``true``/``false``: reuse the KV of cached prompt prefixes across requests,
 :mod:`tokenrouter.engine.prefix_cache`; op ``configure`` switches it at run time); a ``KIND_GPU``
 instance runs on the GPU Triton gives it (``instance_group { kind: KIND_GPU gpus: [i] }``).
@@ -80,10 +80,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..algorithms import configure as configure_algorithm
+from ..engine.config import EngineConfig, SubserverConfig
 from ..engine.event_ring import EventRing
 from ..engine.lockstep import TurnRing, default_ring_path
-from ..engine.sglang_engine import EngineConfig, SGLangEngine
-from ..engine.subserver import FINAL_KINDS, Subserver, SubserverConfig
+from ..engine.sglang_engine import SGLangEngine
+from ..engine.subserver import FINAL_KINDS, Subserver
 from ..routing.curve import CurveServer
 from ..proc import process_start_time, server_pid
 from ..routing.peer import PeerServer, dead_routers, remove_advert, write_advert

@@ -26,7 +26,7 @@ def load_tokenizer(path: str):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
-    from ...engine.sglang_cpu_compat import install
+    from ...engine.cpu import install
 
     install()  # transformers' model imports load torchvision (a CUDA build here)
     from transformers import AutoTokenizer
