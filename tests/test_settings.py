@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 
 from tokenrouter.algorithms import configure
+from tokenrouter.engine.config import EngineConfig, SubserverConfig
+from tokenrouter.engine.parameters import shown_default
 from tokenrouter.engine.sampling import InputLimits
-from tokenrouter.engine.sglang_engine import EngineConfig
-from tokenrouter.engine.subserver import SubserverConfig
 from tokenrouter.routing.curve import CurveSettings
 from tokenrouter.routing.online_bstar import OnlineSettings
 from tokenrouter.triton.settings import (DEFAULT_CHECKPOINT, LLMSettings, RequestLimits, RouterSettings,
-                                         read_parameter)
+                                         llm_parameters, read_parameter)
 
 
 @pytest.fixture
@@ -118,23 +120,34 @@ def test_router_refuses_a_missing_tokenizer(weights):
 
 
 # ------------------------------------------------------------------------------------ LLM
-def test_llm_defaults_and_the_engine_and_subserver_configs(weights):
+def test_llm_defaults_are_the_engine_and_subserver_configs_own(weights):
     s = LLMSettings.from_parameters({})
-    assert s == dataclasses.replace(LLMSettings(), model_path=str(weights / DEFAULT_CHECKPOINT))
-    assert (s.dtype, s.kv_pool_tokens, s.max_running_requests, s.context_length) == ("float32", 16384, 32, None)
-    assert (s.delayed_batch_size, s.max_wait_s, s.stream_interval, s.prefill_chunk_tokens) == (1, 0.005, 1, 512)
-    assert (s.queue_timeout_s, s.max_queued_requests, s.drain_timeout_s, s.router_timeout_s) == (60, 256, 30, 10)
-    assert s.prefix_cache is True and s.cuda_graph is True and s.attention_backend is None
+    # one source: the engine's and the decode loop's settings are their configs, defaults and all
+    assert s == LLMSettings(engine=EngineConfig(model_path=str(weights / DEFAULT_CHECKPOINT)))
+    assert s.subserver == SubserverConfig()
+    assert (s.engine.dtype, s.engine.kv_pool_tokens, s.engine.max_running_requests,
+            s.engine.context_length) == ("float32", 16384, 32, None)
+    assert (s.subserver.delayed_batch_size, s.subserver.max_wait_s, s.subserver.stream_interval,
+            s.subserver.prefill_chunk_tokens) == (1, 0.005, 1, 512)
+    assert (s.subserver.queue_timeout_s, s.subserver.max_queued_requests, s.drain_timeout_s,
+            s.router_timeout_s) == (60, 256, 30, 10)
+    # prefix caching is on by default, in the served models and in an engine built directly
+    assert s.engine.prefix_cache is True and EngineConfig(model_path="m").prefix_cache is True
+    assert s.engine.cuda_graph is True and s.engine.attention_backend is None
     assert s.peer_endpoint is None and s.lockstep_group == "" and s.event_log == ""
-    # the engine and subserver take exactly these keyword arguments, as plain picklable dicts
-    engine = EngineConfig(**s.engine_kwargs())
-    assert (engine.model_path, engine.dtype, engine.prefix_cache) == (s.model_path, "float32", True)
-    sub = SubserverConfig(**s.subserver_kwargs())
-    assert (sub.delayed_batch_size, sub.max_wait_s, sub.max_queued_requests) == (1, 0.005, 256)
+    # the engine and subserver take these keyword arguments, as plain picklable dicts
+    assert EngineConfig(**s.engine_kwargs()) == s.engine and SubserverConfig(**s.subserver_kwargs()) == s.subserver
     assert pickle.loads(pickle.dumps((s.engine_kwargs(), s.subserver_kwargs()))) == (s.engine_kwargs(),
                                                                                      s.subserver_kwargs())
     with pytest.raises(dataclasses.FrozenInstanceError):
-        s.dtype = "bfloat16"
+        s.drain_timeout_s = 1.0
+
+
+def test_llm_settings_copy_no_engine_or_subserver_field():
+    """LLMSettings composes the configs: none of their fields is declared again beside them."""
+    own = {f.name for f in dataclasses.fields(LLMSettings)}
+    for cls in (EngineConfig, SubserverConfig):
+        assert not own & {f.name for f in dataclasses.fields(cls)}, cls
 
 
 def test_llm_overrides_one_of_each_kind(weights):
@@ -147,11 +160,14 @@ def test_llm_overrides_one_of_each_kind(weights):
         "attention_backend": "fa3",
         "delayed_batch_max_wait_us": "250",        # µs → s
         "delayed_batch_size": "0",                 # < 1 reads as 1
+        "drain_timeout_s": "2.5",                  # the model process's
         "peer_endpoint": "tcp://0.0.0.0:5555", "curve_authorized_keys_dir": "/k/authorized_keys",
     })
-    assert s.dtype == "bfloat16" and s.kv_pool_tokens == 4096 and s.mem_fraction_static == 0.45
-    assert s.prefix_cache is False and s.cuda_graph is False and s.context_length is None
-    assert s.attention_backend == "fa3" and s.max_wait_s == 250e-6 and s.delayed_batch_size == 1
+    e, sub = s.engine, s.subserver
+    assert e.dtype == "bfloat16" and e.kv_pool_tokens == 4096 and e.mem_fraction_static == 0.45
+    assert e.prefix_cache is False and e.cuda_graph is False and e.context_length is None
+    assert e.attention_backend == "fa3" and sub.max_wait_s == 250e-6 and sub.delayed_batch_size == 1
+    assert s.drain_timeout_s == 2.5
     assert s.peer_endpoint == "tcp://0.0.0.0:5555" and s.curve.authorized_keys_dir == "/k/authorized_keys"
     assert s.engine_kwargs()["kv_pool_tokens"] == 4096 and s.subserver_kwargs()["max_wait_s"] == 250e-6
 
@@ -162,6 +178,11 @@ def test_llm_overrides_one_of_each_kind(weights):
     ({"router_timeout_s": "10s"}, "config parameter 'router_timeout_s': cannot read '10s' as float"),
     ({"queue_timeout_s": "-1"}, "queue_timeout_s must be >= 0"),
     ({"prefill_chunk_tokens": "-5"}, "prefill_chunk_tokens must be >= 0"),
+    ({"delayed_batch_max_wait_us": "-3"}, r"max_wait_s \(config parameter delayed_batch_max_wait_us\) must be >= 0"),
+    ({"kv_pool_tokens": "0"}, "kv_pool_tokens must be >= 1"),
+    ({"dtype": "bf16"}, "dtype must be one of auto, float32, bfloat16, float16, got 'bf16'"),
+    ({"cpu_linear_weights": "fast"}, "cpu_linear_weights must be one of dual, packed, rowmajor"),
+    ({"drain_timeout_s": "-1"}, "drain_timeout_s must be >= 0"),
     ({"curve": "maybe"}, "config parameter 'curve' must be on or off"),
 ])
 def test_llm_refuses_a_bad_value_naming_it(weights, params, message):
@@ -172,6 +193,42 @@ def test_llm_refuses_a_bad_value_naming_it(weights, params, message):
 def test_llm_refuses_a_missing_checkpoint(weights):
     with pytest.raises(FileNotFoundError, match="model_path 'absent-model'"):
         LLMSettings.from_parameters({"model_path": "absent-model"})
+
+
+# ----------------------------------------------------------------------- the documented defaults
+def _model_tables() -> dict:
+    """``{parameter: default cell}`` of the parameter tables of docs/configuration.md's models section."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
+    section = text.split("## The models (`slm`, `llm`)", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        m = re.match(r"\| `([a-z_0-9]+)` \| ([^|]*) \|", line)
+        if m:
+            rows[m.group(1)] = m.group(2).strip()
+    return rows
+
+
+def test_configuration_page_lists_every_llm_parameter_with_its_declared_default():
+    """docs/configuration.md's tables of the models hold exactly the declared parameters (plus the
+    CURVE keys, which CurveSettings reads), each with the declared default."""
+    rows = _model_tables()
+    declared = {key: shown_default(name, p, default) for key, name, p, default in llm_parameters()}
+    curve = {"curve": "`on`", "curve_secret_key_file": "none", "curve_authorized_keys_dir": "none"}
+    assert set(rows) == set(declared) | set(curve), (sorted(set(rows) - set(declared) - set(curve)),
+                                                     sorted(set(declared) - set(rows)))
+    for key, shown in {**declared, **curve}.items():
+        cell = rows[key]
+        assert cell == shown or cell.startswith(shown + " ("), f"{key}: the page says {cell!r}, declared {shown!r}"
+
+
+def test_the_page_check_can_fail():
+    """The rendering the page is held to changes with the declaration (the check is not vacuous)."""
+    p = dict((key, (name, p, default)) for key, name, p, default in llm_parameters())
+    name, decl, default = p["delayed_batch_max_wait_us"]
+    assert shown_default(name, decl, default) == "5000" and shown_default(name, decl, 0.004) == "4000"
+    name, decl, default = p["prefix_cache"]
+    assert shown_default(name, decl, default) == "`true`" and _model_tables()["prefix_cache"] == "`true`"
+    assert shown_default(*p["model_path"]) == f"`{DEFAULT_CHECKPOINT}`"
 
 
 def test_read_parameter_kinds():

@@ -9,7 +9,11 @@ receive these objects, or plain values taken from them, never the raw parameters
 
 A parameter that is absent, empty or an unexpanded ``${…}`` placeholder takes its default.
 Booleans are ``true``/``false`` (also ``1``/``0``, ``yes``/``no``, ``on``/``off``).
-docs/configuration.md lists the parameters with their defaults, as the docstrings below do.
+An LLM model's parameters are declared once, on the fields of the engine's configs
+(:class:`~tokenrouter.engine.config.EngineConfig`, :class:`~tokenrouter.engine.config.SubserverConfig`)
+and of :class:`LLMSettings` (:mod:`tokenrouter.engine.parameters`), and read from those
+declarations (:func:`read_declared`); docs/configuration.md lists them with their defaults, and a
+test holds it to the declarations (:func:`llm_parameters`).
 """
 
 from __future__ import annotations
@@ -22,14 +26,15 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..algorithms import configure as configure_algorithm
 from ..engine.sampling import InputLimits
-from ..engine.subserver import SubserverConfig
+from ..engine.config import EngineConfig, SubserverConfig
+from ..engine.parameters import NOTHING, Param, check_ranges, declarations, param
 from ..routing.curve import CurveSettings, curve_enabled
 from ..routing.online_bstar import OnlineSettings
 from ..routing.peer import parse_remote_models
 from .common import resolve_model_path
 
-__all__ = ["DEFAULT_CHECKPOINT", "ON_PEER_FAILURE", "PREFIX_CACHE_DEFAULT", "TRANSPORTS", "LLMSettings",
-           "RequestLimits", "RouterSettings", "read_parameter"]
+__all__ = ["DEFAULT_CHECKPOINT", "ON_PEER_FAILURE", "TRANSPORTS", "LLMSettings", "RequestLimits", "RouterSettings",
+           "llm_parameters", "read_declared", "read_parameter"]
 
 #: default ``model_path`` of an LLM model and ``tokenizer_path`` of a router (a folder under the
 #: weights folder, :func:`tokenrouter.triton.common.weights_dir`)
@@ -40,9 +45,6 @@ TRANSPORTS = ("zmq", "triton")
 
 #: values of the router's ``on_peer_failure`` parameter
 ON_PEER_FAILURE = ("fail", "fallback")
-
-#: default of the LLM models' ``prefix_cache`` parameter (docs/performance.md, "Prefix caching")
-PREFIX_CACHE_DEFAULT = True
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
@@ -304,150 +306,105 @@ class RouterSettings:
 
 
 # ------------------------------------------------------------------------------------------ LLM
+def read_declared(cls: type, params: Mapping[str, str], **given: Any) -> Any:
+    """An instance of the dataclass ``cls`` whose declared fields are read from config parameters.
+
+    Each field declared with a config parameter (:class:`~tokenrouter.engine.parameters.Param`)
+    is read as its ``kind`` (:func:`read_parameter`; absent: the field's default), ``unset``
+    read as None, divided by ``scale``, and raised to ``ge`` where it ``clamp``-s; ``cls`` then
+    checks the ranges.  Fields in ``given`` are taken as given, undeclared ones keep their defaults.
+
+    Raises:
+        ValueError: a malformed value or one out of range, naming it.
+    """
+    values = dict(given)
+    for name, p, default in declarations(cls):
+        key = p.parameter(name)
+        if key is None or name in given:
+            continue
+        kind = p.value_kind(default)
+        fallback = p.unset if default is None and p.unset is not NOTHING else default
+        if p.scale != 1 and fallback is not None:
+            fallback = kind(round(fallback * p.scale))
+        v = read_parameter(params, key, fallback, kind)
+        if p.unset is not NOTHING and v == p.unset:
+            v = None
+        elif p.scale != 1:
+            v = v / p.scale
+        if p.clamp and v is not None and v < p.ge:
+            v = kind(p.ge)
+        values[name] = v
+    return cls(**values)
+
+
 @dataclass(frozen=True)
 class LLMSettings:
     """Every config parameter of an LLM model (:mod:`tokenrouter.triton.llm_model`), read and checked.
 
-    Engine (:class:`tokenrouter.engine.sglang_engine.EngineConfig`, whose docstring details each):
+    The engine's and the decode loop's settings are their own configs, read from their declarations;
+    the model process's are declared here (the ``curve*`` parameters are
+    :class:`~tokenrouter.routing.curve.CurveSettings`').
 
     Attributes:
-        model_path: ``model_path`` resolved to an absolute checkpoint folder. Default
-            :data:`DEFAULT_CHECKPOINT`.
-        dtype: ``float32`` (default), ``bfloat16``, ``float16`` or ``auto``.
-        kv_pool_tokens: size of the model's KV pool in tokens. Default 16384.
-        max_running_requests: request rows of the KV pool (running + pending). Default 32.
-        context_length: tokens of prompt + output; None (parameter 0 or unset) = the model's own.
-        torch_threads: intra-op threads of the model's process; 0 (default) leaves torch's.
-        load_format: ``auto`` (default: real weights) or ``dummy`` (random weights of the
-            checkpoint's shape, size-realistic benchmarks).
-        random_seed: seed of dummy weights. Default 0.
-        capture_hidden: return every step's last hidden state to the routing algorithm (learned
-            routers read model 0's). Default false.
-        cpu_linear_weights: CPU hosts: ``dual`` (default), ``packed`` or ``rowmajor``.
-        device: ``auto`` (default), ``cuda`` or ``cpu``.
-        attention_backend: SGLang's attention backend; None (empty) = its default.
-        cuda_graph: CUDA graphs for decode steps (GPU). Default true.
-        cuda_graph_max_bs: largest decode batch captured as a CUDA graph; 0 (default) = SGLang's.
-        mem_fraction_static: share of the GPU's memory for weights and KV; 0 (default) = SGLang's.
-        prefix_cache: reuse the KV of cached prompt prefixes. Default :data:`PREFIX_CACHE_DEFAULT`.
-
-    Decode loop (:class:`tokenrouter.engine.subserver.SubserverConfig`):
-
-    Attributes:
-        delayed_batch_size: B_i, ready requests needed to start a step (values < 1 read as 1). Default 1.
-        max_wait_s: bound on the delayed-batching wait in seconds (parameter
-            ``delayed_batch_max_wait_us``, microseconds, default 5000).
-        stream_interval: committed tokens per streamed chunk (values < 1 read as 1). Default 1.
-        readmit_on_resume: std-serving baseline: a returning request is re-prefilled. Default false.
-        prefill_chunk_tokens: most new prefill/extend tokens in one step; 0 = no chunking. Default 512.
-        queue_timeout_s: seconds a new request may wait for KV; 0 = no limit. Default 60.
-        max_queued_requests: most requests waiting for KV. Default 256.
-
-    The model process:
-
-    Attributes:
-        drain_timeout_s: seconds an unload waits for the requests the model holds. Default 30.
-        lockstep_group: lock-step baseline: comma-separated models stepping in turn; "" = off.
-        event_log: JSON Lines file of routing events (``{model}`` = the model's name); "" = none.
-        peer_endpoint: the inter-model channel's endpoint; None (default) = a fresh ``ipc://``
-            path; ``tcp://0.0.0.0:PORT`` serves routers of other servers.
-        router_timeout_s: TCP: seconds of silence after which a router's requests are released.
-            Default 10.
+        engine: :class:`~tokenrouter.engine.config.EngineConfig` (``model_path`` resolved to an
+            absolute checkpoint folder; default :data:`DEFAULT_CHECKPOINT`).
+        subserver: :class:`~tokenrouter.engine.config.SubserverConfig`.
         curve: CURVE on a TCP endpoint (``curve`` on by default, ``curve_secret_key_file``,
             ``curve_authorized_keys_dir``; :class:`~tokenrouter.routing.curve.CurveSettings`).
     """
 
-    model_path: str = DEFAULT_CHECKPOINT
-    dtype: str = "float32"
-    kv_pool_tokens: int = 16384
-    max_running_requests: int = 32
-    context_length: Optional[int] = None
-    torch_threads: int = 0
-    load_format: str = "auto"
-    random_seed: int = 0
-    capture_hidden: bool = False
-    cpu_linear_weights: str = "dual"
-    device: str = "auto"
-    attention_backend: Optional[str] = None
-    cuda_graph: bool = True
-    cuda_graph_max_bs: int = 0
-    mem_fraction_static: float = 0.0
-    prefix_cache: bool = PREFIX_CACHE_DEFAULT
-    delayed_batch_size: int = 1
-    max_wait_s: float = 0.005
-    stream_interval: int = 1
-    readmit_on_resume: bool = False
-    prefill_chunk_tokens: int = 512
-    queue_timeout_s: float = 60.0
-    max_queued_requests: int = 256
-    drain_timeout_s: float = 30.0
-    lockstep_group: str = ""
-    event_log: str = ""
-    peer_endpoint: Optional[str] = None
-    router_timeout_s: float = 10.0
+    engine: EngineConfig
+    subserver: SubserverConfig = dataclasses.field(default_factory=SubserverConfig)
+    drain_timeout_s: float = param(30.0, unit="s", ge=0, doc=(
+        "an unload (a stop, an explicit unload) waits this long for the requests the model holds"))
+    lockstep_group: str = param("", doc="the lock-step baseline: comma-separated models that step in turn")
+    event_log: str = param("", doc=(
+        "JSON Lines file of ``step`` / ``handoff`` events (``{model}`` is replaced by the model's name), "
+        "the format ``python -m scheduler_model profile`` reads"))
+    peer_endpoint: Optional[str] = param(None, unset="", shown="a fresh `ipc://` path in the temp folder", doc=(
+        "the inter-model channel; ``tcp://0.0.0.0:PORT`` serves routers of other servers"))
+    router_timeout_s: float = param(10.0, unit="s", ge=0, doc=(
+        "a router silent this long (TCP; routers ping every 0.5 s) has its requests released"))
     curve: CurveSettings = CurveSettings()
 
-    #: the fields that are EngineConfig's keyword arguments, and SubserverConfig's
-    _ENGINE = ("model_path", "dtype", "kv_pool_tokens", "max_running_requests", "context_length", "torch_threads",
-               "load_format", "random_seed", "capture_hidden", "cpu_linear_weights", "device", "attention_backend",
-               "cuda_graph", "cuda_graph_max_bs", "mem_fraction_static", "prefix_cache")
-    _SUBSERVER = ("delayed_batch_size", "max_wait_s", "stream_interval", "readmit_on_resume",
-                  "prefill_chunk_tokens", "queue_timeout_s", "max_queued_requests")
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
     def engine_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments of :class:`~tokenrouter.engine.sglang_engine.EngineConfig` (a plain,
-        picklable dict; ``gpu_id`` is left to the caller: the Triton instance's device)."""
-        return {k: getattr(self, k) for k in self._ENGINE}
+        """Keyword arguments of :class:`~tokenrouter.engine.config.EngineConfig` (a plain,
+        picklable dict; ``gpu_id`` is the caller's to set: the Triton instance's device)."""
+        return dataclasses.asdict(self.engine)
 
     def subserver_kwargs(self) -> Dict[str, Any]:
-        """Keyword arguments of :class:`~tokenrouter.engine.subserver.SubserverConfig` (a plain,
-        picklable dict; ``lockstep`` is left to the caller: it opens the turn ring)."""
-        return {k: getattr(self, k) for k in self._SUBSERVER}
+        """Keyword arguments of :class:`~tokenrouter.engine.config.SubserverConfig` (a plain,
+        picklable dict; ``lockstep`` is the caller's to set: it opens the turn ring)."""
+        return dataclasses.asdict(self.subserver)
 
     @classmethod
     def from_parameters(cls, params: Mapping[str, str]) -> "LLMSettings":
         """Read and check an LLM model's parameters (``{key: string_value}``).
 
         Raises:
-            ValueError: a malformed value, naming the parameter, or a decode-loop setting out of
-                range (:class:`~tokenrouter.engine.subserver.SubserverConfig`'s check).
+            ValueError: a malformed value or one out of range, naming the parameter.
             FileNotFoundError: ``model_path`` is no checkpoint folder.
         """
-        def get(key: str, default: Any, kind=str) -> Any:
-            return read_parameter(params, key, default, kind)
+        model_path = resolve_model_path(read_parameter(params, "model_path", DEFAULT_CHECKPOINT))
+        return read_declared(cls, params, engine=read_declared(EngineConfig, params, model_path=model_path),
+                             subserver=read_declared(SubserverConfig, params),
+                             curve=CurveSettings(enabled=curve_enabled(read_parameter(params, "curve", "")),
+                                                 secret_key_file=read_parameter(params, "curve_secret_key_file", ""),
+                                                 authorized_keys_dir=read_parameter(params, "curve_authorized_keys_dir",
+                                                                                    "")))
 
-        s = cls(
-            model_path=resolve_model_path(get("model_path", cls.model_path)),
-            dtype=get("dtype", cls.dtype),
-            kv_pool_tokens=get("kv_pool_tokens", cls.kv_pool_tokens, int),
-            max_running_requests=get("max_running_requests", cls.max_running_requests, int),
-            context_length=get("context_length", 0, int) or None,
-            torch_threads=get("torch_threads", cls.torch_threads, int),
-            load_format=get("load_format", cls.load_format),
-            random_seed=get("random_seed", cls.random_seed, int),
-            capture_hidden=get("capture_hidden", cls.capture_hidden, bool),
-            cpu_linear_weights=get("cpu_linear_weights", cls.cpu_linear_weights),
-            device=get("device", cls.device),
-            attention_backend=get("attention_backend", "") or None,
-            cuda_graph=get("cuda_graph", cls.cuda_graph, bool),
-            cuda_graph_max_bs=get("cuda_graph_max_bs", cls.cuda_graph_max_bs, int),
-            mem_fraction_static=get("mem_fraction_static", cls.mem_fraction_static, float),
-            prefix_cache=get("prefix_cache", cls.prefix_cache, bool),
-            delayed_batch_size=max(1, get("delayed_batch_size", cls.delayed_batch_size, int)),
-            max_wait_s=get("delayed_batch_max_wait_us", round(cls.max_wait_s * 1e6), int) / 1e6,
-            stream_interval=max(1, get("stream_interval", cls.stream_interval, int)),
-            readmit_on_resume=get("readmit_on_resume", cls.readmit_on_resume, bool),
-            prefill_chunk_tokens=get("prefill_chunk_tokens", cls.prefill_chunk_tokens, int),
-            queue_timeout_s=get("queue_timeout_s", cls.queue_timeout_s, float),
-            max_queued_requests=get("max_queued_requests", cls.max_queued_requests, int),
-            drain_timeout_s=get("drain_timeout_s", cls.drain_timeout_s, float),
-            lockstep_group=get("lockstep_group", cls.lockstep_group),
-            event_log=get("event_log", cls.event_log),
-            peer_endpoint=get("peer_endpoint", "") or None,
-            router_timeout_s=get("router_timeout_s", cls.router_timeout_s, float),
-            curve=CurveSettings(enabled=curve_enabled(get("curve", "")),
-                                secret_key_file=get("curve_secret_key_file", ""),
-                                authorized_keys_dir=get("curve_authorized_keys_dir", "")),
-        )
-        SubserverConfig(**s.subserver_kwargs())  # its range checks, before the model loads
-        return s
+
+def llm_parameters() -> List[Tuple[str, str, Param, Any]]:
+    """Every declared config parameter of an LLM model: ``(parameter, field, declaration, default)``,
+    engine first, then the decode loop and the model process (``model_path``'s default is
+    :data:`DEFAULT_CHECKPOINT`).  What docs/configuration.md is checked against."""
+    out = []
+    for cls in (EngineConfig, SubserverConfig, LLMSettings):
+        for name, p, default in declarations(cls):
+            if p.parameter(name) is not None:
+                out.append((p.parameter(name), name, p,
+                            DEFAULT_CHECKPOINT if (cls, name) == (EngineConfig, "model_path") else default))
+    return out
