@@ -86,8 +86,8 @@ def test_ipc_round_trip():
     server = PeerServer(OpDispatcher(sub))
     client = PeerClient(lambda m: server.endpoint)
     try:
-        out = list(client.segment("llm", _req("r1", [5, 6])))
-        assert [ids for ids, _ in out] == [[1, 2], [3]] and isinstance(out[-1][1], Finished)
+        out = [(ids, ev) for ids, ev in client.segment("llm", _req("r1", [5, 6])) if not isinstance(ev, Tick)]
+        assert [ids for ids, _ in out] == [[1, 2], [3]] and isinstance(out[-1][1], Finished)  # ticks: a slow host
         assert client.call("llm", Ping())["instance"] == server.instance
         assert client.call("llm", Stats()) == {"held": []}
     finally:
