@@ -630,9 +630,9 @@ class NoTriton:
 
             _tl = threading.local()
 
-            def segment(self, model, rid, tokens, header):
+            def segment(self, model, peer_req):
                 k = self.models.index(model)
-                for ids, ev in super().segment(model, rid, tokens, header):
+                for ids, ev in super().segment(model, peer_req):
                     if ids:
                         self._tl.ids.extend(ids)
                         self._tl.trace.extend([k] * len(ids))

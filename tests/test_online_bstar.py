@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 import requests
 
+from tokenrouter.protocol import EventsQuery
 from tokenrouter.routing.peer import PeerClient
 from tokenrouter.tools import admin
 from tokenrouter.tools.repository import read_config, write_config
@@ -104,9 +105,9 @@ def test_events_op_bad_input_is_an_error_on_that_request(server, bad, needle):
     client = _zmq_client(server)
     try:
         with pytest.raises(RuntimeError) as err:
-            client.call("slm", "events", bad, timeout_s=30)
+            client.call("slm", EventsQuery(args=bad), timeout_s=30)
         assert needle in str(err.value)
-        ok = client.call("slm", "events", {"since": 0, "limit": 2}, timeout_s=30)  # the channel still answers
+        ok = client.call("slm", EventsQuery(args={"since": 0, "limit": 2}), timeout_s=30)  # the channel still answers
         assert ok["cursor"] <= 2 and len(ok["events"]) == ok["cursor"]
     finally:
         client.close()

@@ -15,9 +15,11 @@ import time
 import pytest
 import zmq
 
+from tokenrouter.engine.op_dispatch import OpDispatcher
 from tokenrouter.routing.curve import CurveClient, CurveServer, CurveSettings, curve_enabled, make_keys
 from tokenrouter.routing.peer import PeerClient, PeerDownError, PeerServer, parse_remote_models
-from tokenrouter.protocol import PeerReq
+from tokenrouter.routing.segments import Tick
+from tokenrouter.protocol import Finished, Handoff, PeerReq, Ping, Stats
 
 
 class _EchoSubserver:
@@ -38,7 +40,7 @@ class _EchoSubserver:
                 return
             sink("tokens", [1, 2], {})
             if pr.params.get("handoff"):
-                sink("handoff", [3], {"to_index": 0, "peer_req": "{}"})
+                sink("handoff", [3], {"to": "llm", "to_index": 0, "peer_req": "{}", "committed": True})
             else:
                 with self.lock:
                     self.held.discard(pr.rid)
@@ -59,8 +61,8 @@ class _EchoSubserver:
         pass
 
 
-def _header(rid: str, **params) -> str:
-    return PeerReq(rid=rid, models=["llm"], params=params).header_json()
+def _req(rid: str, tokens=(1,), **params) -> PeerReq:
+    return PeerReq(rid=rid, tokens=list(tokens), models=["llm"], params=params)
 
 
 def _wait(cond, timeout: float = 10.0) -> None:
@@ -76,18 +78,18 @@ def keys(tmp_path):
 
 
 def _tcp_server(keys, endpoint="tcp://127.0.0.1:*"):
-    return PeerServer(_EchoSubserver(), endpoint, curve=CurveServer(keys["server_secret"], keys["authorized_keys_dir"]))
+    return PeerServer(OpDispatcher(_EchoSubserver()), endpoint, curve=CurveServer(keys["server_secret"], keys["authorized_keys_dir"]))
 
 
 def test_ipc_round_trip():
     sub = _EchoSubserver()
-    server = PeerServer(sub)
+    server = PeerServer(OpDispatcher(sub))
     client = PeerClient(lambda m: server.endpoint)
     try:
-        out = list(client.segment("llm", "r1", [5, 6], _header("r1")))
-        assert [ids for ids, _ in out] == [[1, 2], [3]] and out[-1][1]["kind"] == "finished"
-        assert client.call("llm", "ping")["instance"] == server.instance
-        assert client.call("llm", "stats") == {"held": []}
+        out = [(ids, ev) for ids, ev in client.segment("llm", _req("r1", [5, 6])) if not isinstance(ev, Tick)]
+        assert [ids for ids, _ in out] == [[1, 2], [3]] and isinstance(out[-1][1], Finished)  # ticks: a slow host
+        assert client.call("llm", Ping())["instance"] == server.instance
+        assert client.call("llm", Stats()) == {"held": []}
     finally:
         client.close()
         server.close()
@@ -95,13 +97,13 @@ def test_ipc_round_trip():
 
 def test_interrupt_wakes_a_waiting_segment_at_once():
     """With a long tick, a request waiting on a silent model sees a tick only when woken."""
-    server = PeerServer(_EchoSubserver())
+    server = PeerServer(OpDispatcher(_EchoSubserver()))
     client = PeerClient(lambda m: server.endpoint, tick_s=60.0)
     events, first = [], threading.Event()
 
     def waiting():
-        for ids, ev in client.segment("llm", "r1", [5], _header("r1", silent=True)):
-            events.append((time.monotonic(), ev["kind"]))
+        for ids, ev in client.segment("llm", _req("r1", [5], silent=True)):
+            events.append((time.monotonic(), ev))
             first.set()
             return
 
@@ -113,12 +115,12 @@ def test_interrupt_wakes_a_waiting_segment_at_once():
         t0 = time.monotonic()
         client.interrupt()
         assert first.wait(5), "interrupt() did not wake the segment"
-        assert events[0][1] == "tick" and events[0][0] - t0 < 2.0
+        assert isinstance(events[0][1], Tick) and events[0][0] - t0 < 2.0
         t.join(5)
         # a call() waiting for its answer ignores the wake-up meant for the segments
         server.subserver.stats_delay_s = 1.0
         answer = {}
-        c = threading.Thread(target=lambda: answer.update(client.call("llm", "stats")), daemon=True)
+        c = threading.Thread(target=lambda: answer.update(client.call("llm", Stats())), daemon=True)
         c.start()
         time.sleep(0.3)
         client.interrupt()
@@ -136,12 +138,12 @@ def test_tcp_curve_replicas_keep_each_request_on_its_replica(keys):
     try:
         assert client.wait_connected(10) == []
         for i in range(4):  # each keeps its state on the replica it went to (a handoff)
-            assert list(client.segment("llm", f"h{i}", [1], _header(f"h{i}", handoff=True)))[-1][1]["kind"] == "handoff"
+            assert isinstance(list(client.segment("llm", _req(f"h{i}", [1], handoff=True)))[-1][1], Handoff)
         held = [s.subserver.stats()["held"] for s in servers]
         assert sorted(held[0] + held[1]) == ["h0", "h1", "h2", "h3"] and len(held[0]) == 2, held
         # the next segment of h0 goes where h0's state is, and so does its release
         home = 0 if "h0" in held[0] else 1
-        list(client.segment("llm", "h0", [4], _header("h0", handoff=True)))
+        list(client.segment("llm", _req("h0", [4], handoff=True)))
         assert "h0" in servers[home].subserver.stats()["held"]
         for i in range(4):
             client.release("llm", f"h{i}")
@@ -170,7 +172,7 @@ def test_wrong_key_gets_nothing(keys):
         client = PeerClient(lambda m: None, remote={"llm": [server.endpoint]},
                             curve=CurveClient(keys["router_secret"], keys["server_public"]))
         try:
-            assert list(client.segment("llm", "ok", [1], _header("ok")))[-1][1]["kind"] == "finished"
+            assert isinstance(list(client.segment("llm", _req("ok", [1])))[-1][1], Finished)
         finally:
             client.close()
     finally:
@@ -192,17 +194,17 @@ def test_replica_down_by_heartbeat_and_back(keys):
         _wait(lambda: not client.replicas("llm")[0]["up"])
         assert not client.is_down("llm") and downs == []  # one replica left: the model is up
         for i in range(3):  # new requests go to the live replica
-            assert list(client.segment("llm", f"n{i}", [1], _header(f"n{i}")))[-1][1]["kind"] == "finished"
+            assert isinstance(list(client.segment("llm", _req(f"n{i}", [1])))[-1][1], Finished)
         servers[1].close()
         _wait(lambda: downs == ["llm"])  # on_down runs just after the mark
         assert client.is_down("llm") and "llm" in client.down()["llm"]
         with pytest.raises(PeerDownError) as e:
-            list(client.segment("llm", "x", [1], _header("x")))
+            list(client.segment("llm", _req("x", [1])))
         assert e.value.model == "llm"
         servers[0] = _tcp_server(keys, endpoint)  # a new process on the same endpoint
         _wait(lambda: ups == ["llm"])
         assert not client.is_down("llm")
-        assert list(client.segment("llm", "y", [1], _header("y")))[-1][1]["kind"] == "finished"
+        assert isinstance(list(client.segment("llm", _req("y", [1])))[-1][1], Finished)
     finally:
         client.close()
         for s in servers:

@@ -7,7 +7,10 @@ import time
 
 import pytest
 
-from tokenrouter.routing.segments import DownMarks, PeerChannelError, PeerDownError, Segments
+from tokenrouter.protocol import Failed, Handoff, Tokens
+from tokenrouter.routing.segments import TICK, DownMarks, PeerChannelError, PeerDown, PeerDownError, Segments
+
+HANDOFF = Handoff(to="slm", to_index=0, peer_req="{}", committed=True)
 
 
 def test_next_ticks_then_stalls():
@@ -34,10 +37,10 @@ def test_no_stall_timeout_waits_forever():
 def test_put_reaches_open_segments_only():
     segs = Segments(tick_s=0.01, stall_timeout_s=1)
     seg, q = segs.open("slm")
-    assert segs.put(seg, ([7], {"kind": "tokens"}))
-    assert segs.next("slm", q, segs.deadline()) == ([7], {"kind": "tokens"})
+    assert segs.put(seg, ([7], Tokens()))
+    assert segs.next("slm", q, segs.deadline()) == ([7], Tokens())
     segs.close(seg)
-    assert not segs.put(seg, ([8], {"kind": "tokens"}))  # a late response is dropped
+    assert not segs.put(seg, ([8], Tokens()))  # a late response is dropped
     assert q.empty()
 
 
@@ -46,11 +49,10 @@ def test_fail_ends_one_owners_segments():
     _, q_llm = segs.open("llm")
     _, q_slm = segs.open("slm")
     segs.fail("model llm is down: gone", owner="llm")
-    assert segs.next("llm", q_llm, segs.deadline()) == ([], {"kind": "peer_down",
-                                                            "message": "model llm is down: gone"})
+    assert segs.next("llm", q_llm, segs.deadline()) == ([], PeerDown(message="model llm is down: gone"))
     assert segs.next("slm", q_slm, segs.deadline()) is None
     segs.fail("shutting down")  # every owner
-    assert segs.next("slm", q_slm, segs.deadline())[1]["message"] == "shutting down"
+    assert segs.next("slm", q_slm, segs.deadline())[1].message == "shutting down"
 
 
 def test_interrupt_wakes_a_waiting_segment_at_once():
@@ -87,39 +89,32 @@ def test_a_failing_on_down_is_logged_not_raised(caplog):
     assert "on_down(slm) failed" in caplog.text and marks.reason("slm") == "model slm is down"
 
 
-def test_responses_until_final_with_the_transports_check():
+def test_responses_until_final_seen_by_the_transport():
     segs = Segments(tick_s=0.01, stall_timeout_s=1)
     seg, q = segs.open("llm")
-    for item in [([1], {"kind": "tokens"}), ([], {"kind": "_empty"}), ([2], {"kind": "handoff"}),
-                 ([3], {"kind": "tokens"})]:
+    for item in [([1], Tokens()), ([2], HANDOFF), ([3], Tokens())]:
         q.put(item)
-    got = [ev["kind"] for _, ev in segs.responses("llm", seg, q, check=lambda t, ev: ev["kind"] != "_empty")]
-    assert got == ["tokens", "handoff"]  # skipped the transport's own kind, stopped at the final one
-    assert not segs.put(seg, ([4], {"kind": "tokens"}))  # and closed the segment
+    seen = []
+    got = list(segs.responses("llm", seg, q, seen.append))
+    assert got == [([1], Tokens()), ([2], HANDOFF)] and seen == [Tokens(), HANDOFF]  # stopped at the final one
+    assert not segs.put(seg, ([4], Tokens()))  # and closed the segment
 
 
-def test_responses_raise_for_down_error_and_check():
+def test_responses_raise_for_down_and_error():
     segs = Segments(tick_s=0.01, stall_timeout_s=1)
-    for event, exc, text in [({"kind": "peer_down", "message": "model llm is down: x"}, PeerDownError, "down: x"),
-                             ({"kind": "error", "message": "model llm: bad"}, RuntimeError, "bad"),
-                             ({"kind": "_end"}, ValueError, "no final")]:
+    for event, exc, text in [(PeerDown(message="model llm is down: x"), PeerDownError, "down: x"),
+                             (Failed(message="model llm: bad"), RuntimeError, "bad")]:
         seg, q = segs.open("llm")
         q.put(([], event))
-
-        def check(_t, ev):
-            if ev["kind"] == "_end":
-                raise ValueError("no final event")
-            return True
-
         with pytest.raises(exc, match=text):
-            list(segs.responses("llm", seg, q, check))
-        assert not segs.put(seg, ([], {"kind": "tokens"}))
+            list(segs.responses("llm", seg, q))
+        assert not segs.put(seg, ([], Tokens()))
 
 
 def test_responses_close_the_segment_when_the_caller_stops():
     segs = Segments(tick_s=0.01, stall_timeout_s=0)
     seg, q = segs.open("slm")
     stream = segs.responses("slm", seg, q)
-    assert next(stream) == ([], {"kind": "tick"})
+    assert next(stream) == ([], TICK)
     stream.close()  # e.g. the request was cancelled
-    assert not segs.put(seg, ([1], {"kind": "tokens"}))
+    assert not segs.put(seg, ([1], Tokens()))

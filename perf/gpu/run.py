@@ -304,9 +304,9 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
 
             sglang_gpu_compat.patch_loaded_sglang()
         from tokenrouter.engine.lockstep import TurnRing
-        from tokenrouter.engine.config import EngineConfig
+        from tokenrouter.engine.config import EngineConfig, SubserverConfig
+        from tokenrouter.engine.op_dispatch import OpDispatcher
         from tokenrouter.engine.sglang_engine import SGLangEngine
-        from tokenrouter.engine.config import SubserverConfig
         from tokenrouter.engine.subserver import Subserver
         from tokenrouter.routing.peer import PeerServer
 
@@ -342,7 +342,7 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
             if s:
                 sub.reconfigure(**s)
 
-        server = PeerServer(sub, configure_fn=configure)
+        server = PeerServer(OpDispatcher(sub, configure=configure))
         out_q.put(("up", name, {"endpoint": server.endpoint, "load_s": load_s, "device": engine.device,
                                 "dtype": engine.dtype, "kv_capacity_tokens": engine.kv_capacity}))
     except BaseException as e:  # noqa: BLE001 - reported to the driver
@@ -427,17 +427,21 @@ class Cluster:
             raise RuntimeError(f"unexpected answer {kind}/{who} to {cmd}/{name}")
         return res
 
-    def segment(self, model, rid, tokens, header):
-        return self.peers.segment(model, rid, tokens, header)
+    def segment(self, model, peer_req):
+        return self.peers.segment(model, peer_req)
 
     def release(self, model, rid):
         self.peers.release(model, rid)
 
     def configure(self, model: str, **settings: Any) -> None:
-        self.peers.call(model, "configure", settings)
+        from tokenrouter.protocol import Configure
+
+        self.peers.call(model, Configure(args=settings))
 
     def stats(self, model: str) -> Dict[str, Any]:
-        return self.peers.call(model, "stats")
+        from tokenrouter.protocol import Stats
+
+        return self.peers.call(model, Stats())
 
     def close(self) -> None:
         if self.peers is not None:

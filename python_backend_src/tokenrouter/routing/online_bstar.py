@@ -61,6 +61,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from ..protocol import Configure, EventsQuery
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["OnlineSettings", "OnlineBStar", "SAMPLE_S", "auto_quantum_s"]
@@ -232,7 +234,7 @@ class OnlineBStar:
         for m in self.models:
             try:
                 for _ in range(MAX_PULLS_PER_ROUND):
-                    ans = self.peers.call(m, "events", {"since": self.cursors.get(m, 0)}, timeout_s=10.0)
+                    ans = self.peers.call(m, EventsQuery(args={"since": self.cursors.get(m, 0)}), timeout_s=10.0)
                     if ans.get("reset"):
                         logger.info("online B*: model %s restarted; reading its events from the start", m)
                     self.cursors[m] = int(ans["cursor"])
@@ -289,7 +291,7 @@ class OnlineBStar:
             if wait is not None:
                 settings["delayed_batch_max_wait_us"] = int(wait[m])
             try:
-                self.peers.call(m, "configure", settings, timeout_s=30.0)
+                self.peers.call(m, Configure(args=settings), timeout_s=30.0)
             except Exception as e:  # noqa: BLE001 - retried next round
                 logger.warning("online B*: configure %s on %s failed: %s", settings, m, e)
                 continue

@@ -2,20 +2,14 @@
 
 Paper §Design, "Three decoupled loops": the inter-model loop forwards a
 handing-off model's PeerReq, with the token suffix the peer has not seen, to
-that peer.  :func:`drive` runs one request through the models until it ends;
-the *transport* reaches the models — the ZeroMQ channel
+that peer.  :func:`drive` runs one request through the models until it ends,
+over a :class:`~tokenrouter.routing.segments.Transport` — the ZeroMQ channel
 (:class:`tokenrouter.routing.peer.PeerClient`), used by ``token_router`` and by
-the no-Triton baseline :mod:`tokenrouter.tools.direct`.
-
-A transport has two methods:
-
-* ``segment(model, rid, tokens, header_json)`` → iterator of
-  ``(committed_token_ids, event_dict)`` for one visit of the request to
-  ``model``, ending with a final event (``handoff``, ``finished``,
-  ``cancelled``); raises ``RuntimeError`` when the model reports an error;
-  while waiting it may yield ``([], {"kind": "tick"})`` so that cancellation
-  is noticed even when the model sends nothing;
-* ``release(model, rid)`` → frees the request's state on ``model``.
+the no-Triton baseline :mod:`tokenrouter.tools.direct`, or Triton BLS requests
+(:class:`tokenrouter.triton.transport.TritonTransport`).  It reads the typed
+events of :mod:`tokenrouter.protocol` (and the transport's ``TICK`` while
+nothing comes); the :class:`RoutedRequest` books the tokens, who wrote them,
+the handoffs and the times.
 
 A transport raises :class:`~tokenrouter.routing.peer.PeerDownError` (it has a
 ``model`` attribute) when a model's process is gone.  :func:`drive` then either
@@ -30,22 +24,24 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
-from .segments import PeerDownError
-from ..protocol import FinishReason, PeerReq
+from .segments import PeerDownError, Tick, Transport
+from ..protocol import Cancelled, Event, Finished, FinishReason, Handoff, PeerReq, SegmentEvent, SpecRound
 
-__all__ = ["RoutedRequest", "drive"]
+__all__ = ["RoutedRequest", "drive", "Transport"]
 
 
 @dataclass
 class RoutedRequest:
-    """Outcome of :func:`drive`.
+    """One request as the router drives it through the models, and the outcome of :func:`drive`.
 
     Attributes:
         tokens: prompt + output token ids.
         n_prompt: prompt length in tokens.
-        finish: finish reason (``stop``, ``length``, ``cancelled``).
+        rid: the request id.
+        models: the deployment's model names (indices of ``trace`` and ``handoff_log``).
+        finish: finish reason (``stop``, ``length``, ``cancelled``; "" while it runs).
         tokens_by_model: output tokens written by each model.
         handoffs: number of handoffs; ``pairs`` counts them by "from->to".
         trace: per output token, the index of the model that wrote it.
@@ -67,10 +63,14 @@ class RoutedRequest:
             verification, ``pos`` = output tokens committed before it.
         spec_tokens: speculative decoding: output tokens the verifications committed (accepted
             drafts and the verifier's own tokens).
+        seen: per model, how many of ``tokens`` it holds (its next visit sends the rest).
+        touched, released: indices of the models visited, and of those whose state is freed.
     """
 
     tokens: List[int]
     n_prompt: int
+    rid: str = ""
+    models: List[str] = field(default_factory=list)
     finish: str = ""
     tokens_by_model: Dict[str, int] = field(default_factory=dict)
     handoffs: int = 0
@@ -88,21 +88,95 @@ class RoutedRequest:
     accepted: int = 0
     spec_rounds: List[Dict[str, int]] = field(default_factory=list)
     spec_tokens: int = 0
+    seen: List[int] = field(default_factory=list)
+    touched: Set[int] = field(default_factory=set)
+    released: Set[int] = field(default_factory=set)
+    _handoff_at: Optional[float] = None  # time.perf_counter() of the last handoff event
+
+    def __post_init__(self) -> None:
+        self.seen = self.seen or [0] * len(self.models)
 
     @property
     def output_ids(self) -> List[int]:
         """The tokens written after the prompt (list of int token ids)."""
         return self.tokens[self.n_prompt:]
 
+    def end(self, reason: str) -> None:
+        """Set the finish reason (a :class:`FinishReason` value) unless it is set already."""
+        self.finish = self.finish or reason
 
-def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, detok,
+    def visit(self, m: int) -> Tuple[List[int], bool]:
+        """Start a visit to model ``m``: the token ids it has not seen, and whether it holds the request."""
+        self.touched.add(m)
+        suffix, resume = self.tokens[self.seen[m]:], self.seen[m] > 0
+        self.seen[m] = len(self.tokens)
+        return suffix, resume
+
+    def release(self, transport: Transport, m: int) -> None:
+        """Free the request's state on model ``m`` (ends its running segment there)."""
+        transport.release(self.models[m], self.rid)
+        self.released.add(m)
+
+    def record(self, m: int, ids: List[int], ev: Event) -> None:
+        """Book one response of model ``m``: the handoff gap it closes, the first step's time,
+        the tokens it commits (with writer, score and logprob each) and a handoff it announces."""
+        if self._handoff_at is not None and not isinstance(ev, Tick):  # a tick carries nothing
+            self.handoff_gaps_s.append(time.perf_counter() - self._handoff_at)
+            self._handoff_at = None
+        if not isinstance(ev, SegmentEvent):
+            return
+        if self.first_step_t is None and ev.first_step_t is not None:
+            self.first_step_t = ev.first_step_t
+        if ids:
+            now = time.monotonic()
+            self.first_token_t = self.first_token_t or now
+            self.last_token_t = now
+            self.logprobs.extend(_fit(ev.logprobs, len(ids)))
+            self.scores.extend(_fit(ev.scores, len(ids)))
+            writers = self._writers(ev.spec, m, len(ids))
+            self.tokens.extend(ids)
+            self.seen[m] = len(self.tokens)
+            for w in writers:
+                self.tokens_by_model[self.models[w]] = self.tokens_by_model.get(self.models[w], 0) + 1
+            self.trace.extend(writers)
+        if isinstance(ev, Handoff):
+            self._handoff_at = time.perf_counter()
+            self.handoff_log.append({"pos": len(self.output_ids), "from": m, "to": ev.to_index,
+                                     "committed": ev.committed, "score": ev.scores[-1] if ev.scores else None})
+
+    def count_handoff(self, m: int, peer: int) -> None:
+        """A handoff from model ``m`` to ``peer`` that the request follows."""
+        pair = f"{self.models[m]}->{self.models[peer]}"
+        self.pairs[pair] = self.pairs.get(pair, 0) + 1
+        self.handoffs += 1
+
+    def _writers(self, spec: Optional[SpecRound], m: int, n: int) -> List[int]:
+        """The model index that wrote each of ``n`` tokens model ``m`` committed, booking a
+        speculative verification: its first ``accepted`` tokens are the drafter's accepted drafts."""
+        if spec is None:
+            return [m] * n
+        accepted = min(spec.accepted, n)
+        self.drafted += spec.drafted
+        self.accepted += accepted
+        self.spec_tokens += n
+        self.spec_rounds.append({"pos": len(self.output_ids), "drafted": spec.drafted, "accepted": accepted})
+        drafter = spec.drafter if 0 <= spec.drafter < len(self.models) else m
+        return [drafter] * accepted + [m] * (n - accepted)
+
+
+def _fit(values: Optional[List[Any]], n: int) -> List[Any]:
+    """``values`` cut or padded with None to ``n`` items."""
+    return (list(values or []) + [None] * n)[:n]
+
+
+def drive(transport: Transport, header: PeerReq, prompt_ids: List[int], first_model: int, detok,
           on_delta: Optional[Callable[[str], None]] = None,
           cancelled: Callable[[], bool] = lambda: False, fallback: bool = False) -> RoutedRequest:
     """Run one request through the models until it finishes; release every model's state.
 
     Args:
-        transport: see the module docstring.
-        header: the initial PeerReq (tokens empty; ``models`` names the deployment).
+        transport: how the models are reached (``segment`` and ``release``).
+        header: the initial PeerReq (``models`` names the deployment; ``tokens`` are set here).
         prompt_ids: prompt token ids.
         first_model: index of the model that writes first.
         detok: an :class:`~tokenrouter.engine.detok.IncrementalDetokenizer` (handles stop strings).
@@ -115,144 +189,82 @@ def drive(transport, header: PeerReq, prompt_ids: List[int], first_model: int, d
         PeerDownError: a model the request needs is down (``fallback`` off, or no live model left).
         RuntimeError: a model reported an error (state is released on every model first).
     """
-    models = header.models
-    r = RoutedRequest(tokens=list(prompt_ids), n_prompt=len(prompt_ids))
-    seen = [0] * len(models)
-    touched, released = set(), set()
-    current, finish = first_model, None
+    r = RoutedRequest(tokens=list(prompt_ids), n_prompt=len(prompt_ids), rid=header.rid, models=list(header.models),
+                      degraded=sorted(set(header.down_models)))
     if cancelled():  # e.g. cancelled while it waited for a worker: no model is visited
-        finish = FinishReason.CANCELLED.value
-    handoff_at = None
-    rid = header.rid
-    r.degraded = sorted(set(header.down_models))
+        r.end(FinishReason.CANCELLED.value)
+    current = first_model
     try:
-        while finish is None:
-            name = models[current]
-            touched.add(current)
-            suffix = r.tokens[seen[current]:]
-            header.resume = seen[current] > 0
-            seen[current] = len(r.tokens)
-            header.tokens = []
-            handoff = None
+        while not r.finish:
+            name, handoff = r.models[current], None
+            header.tokens, header.resume = r.visit(current)
             try:
-                events = transport.segment(name, rid, suffix, header.header_json())
-                for ids, ev in events:
-                    kind = ev.get("kind")
-                    # a "tick" carries nothing: it only reaches the cancellation check below
-                    if handoff_at is not None and kind != "tick":
-                        r.handoff_gaps_s.append(time.perf_counter() - handoff_at)
-                        handoff_at = None
-                    scores = ev.get("scores") or []
-                    if r.first_step_t is None and ev.get("first_step_t") is not None:
-                        r.first_step_t = float(ev["first_step_t"])
+                for ids, ev in transport.segment(name, header):
+                    r.record(current, ids, ev)
                     if ids:
-                        now = time.monotonic()
-                        r.first_token_t = r.first_token_t or now
-                        r.last_token_t = now
-                        r.logprobs.extend((list(ev.get("logprobs") or []) + [None] * len(ids))[:len(ids)])
-                        r.scores.extend((list(scores) + [None] * len(ids))[:len(ids)])
-                        writers = _writers(ev.get("spec"), current, len(ids), len(models), r)
-                        r.tokens.extend(ids)
-                        seen[current] = len(r.tokens)
-                        for w in writers:
-                            r.tokens_by_model[models[w]] = r.tokens_by_model.get(models[w], 0) + 1
-                        r.trace.extend(writers)
                         delta = detok.add(ids)
-                        if on_delta is not None and delta and finish is None:
+                        if on_delta is not None and delta and not r.finish:
                             on_delta(delta)
-                        if detok.stopped and finish is None:
-                            finish = FinishReason.STOP.value
-                            transport.release(name, rid)  # ends the running segment
-                            released.add(current)
-                    if kind == "handoff":
-                        handoff = ev
-                        handoff_at = time.perf_counter()
-                        r.handoff_log.append({"pos": len(r.tokens) - r.n_prompt, "from": current,
-                                              "to": int(ev["to_index"]), "committed": bool(ev.get("committed")),
-                                              "score": scores[-1] if scores else None})
-                    elif kind == "finished":
-                        finish = finish or ev.get("finish_reason", FinishReason.STOP.value)
-                        released.add(current)
-                    elif kind == "cancelled" and finish is None:
-                        finish = FinishReason.CANCELLED.value
-                        released.add(current)
-                    if finish is None and cancelled():
-                        finish = FinishReason.CANCELLED.value
-                        transport.release(name, rid)  # the segment's remaining responses are dropped
-                        released.add(current)
+                        if detok.stopped and not r.finish:
+                            r.end(FinishReason.STOP.value)
+                            r.release(transport, current)  # ends the running segment
+                    match ev:
+                        case Handoff():
+                            handoff = ev
+                        case Finished(finish_reason=reason):
+                            r.end(reason)
+                            r.released.add(current)
+                        case Cancelled():
+                            r.end(FinishReason.CANCELLED.value)
+                            r.released.add(current)
+                    if not r.finish and cancelled():
+                        r.end(FinishReason.CANCELLED.value)
+                        r.release(transport, current)  # the segment's remaining responses are dropped
                         break
             except PeerDownError as e:
-                if finish is not None:
+                if r.finish:
                     break  # the request had already ended (e.g. a stop string)
-                if not fallback:
+                current = _fall_back(e, r, header, current, transport) if fallback else None
+                if current is None:
                     raise
-                nxt = _fall_back(e, models, current, r, header, seen, touched, released, transport, rid)
-                if nxt is None:
-                    raise
-                current = nxt
                 continue
-            if finish is None and handoff is None:
-                raise RuntimeError(f"model {name} ended a segment without a handoff or finish")
-            if handoff is not None and finish is None:
-                peer = int(handoff["to_index"])
-                header = PeerReq.from_wire(handoff["peer_req"], [])
-                pair = f"{name}->{models[peer]}"
-                r.pairs[pair] = r.pairs.get(pair, 0) + 1
-                r.handoffs += 1
-                current = peer
+            if not r.finish:
+                if handoff is None:
+                    raise RuntimeError(f"model {name} ended a segment without a handoff or finish")
+                r.count_handoff(current, handoff.to_index)
+                header, current = handoff.header(), handoff.to_index
                 if cancelled():
-                    finish = FinishReason.CANCELLED.value
+                    r.end(FinishReason.CANCELLED.value)
     finally:
-        for m in touched:
-            if m not in released:
-                transport.release(models[m], rid)
-    r.finish = finish
+        for m in r.touched - r.released:
+            transport.release(r.models[m], r.rid)
     return r
 
 
-def _writers(spec: Optional[Dict[str, Any]], current: int, n: int, n_models: int, r: RoutedRequest) -> List[int]:
-    """The model index that wrote each of ``n`` tokens a model committed, recording a
-    speculative verification (``spec`` = ``{"drafted", "accepted", "drafter"}`` of the event
-    that carries them): the first ``accepted`` tokens are the drafter's accepted drafts."""
-    if not isinstance(spec, dict):
-        return [current] * n
-    try:
-        drafted, accepted = int(spec.get("drafted", 0)), min(int(spec.get("accepted", 0)), n)
-        drafter = int(spec.get("drafter", current))
-    except (TypeError, ValueError):
-        return [current] * n
-    r.drafted += drafted
-    r.accepted += accepted
-    r.spec_tokens += n
-    r.spec_rounds.append({"pos": len(r.tokens) - r.n_prompt, "drafted": drafted, "accepted": accepted})
-    if not 0 <= drafter < n_models:
-        drafter = current
-    return [drafter] * accepted + [current] * (n - accepted)
-
-
-def _fall_back(err, models, current, r, header, seen, touched, released, transport, rid) -> Optional[int]:
+def _fall_back(err: PeerDownError, r: RoutedRequest, header: PeerReq, current: int,
+               transport: Transport) -> Optional[int]:
     """Continue a request whose model went down on the first live model (fallback mode).
 
-    Updates ``r.degraded``, ``header`` (``down_models``, ``num_generated``) and the
-    bookkeeping of :func:`drive`; returns the model index to go on with, or None
-    when every model is down.
+    Updates ``r`` (``degraded``, ``seen``, ``released``) and ``header`` (``down_models``,
+    ``num_generated``); returns the model index to go on with, or None when every model is down.
     """
+    models = r.models
     dead = getattr(err, "model", None) or models[current]
-    released.add(models.index(dead) if dead in models else current)  # its state went with its process
+    r.released.add(models.index(dead) if dead in models else current)  # its state went with its process
     r.degraded = sorted(set(r.degraded) | {dead})
     alive = [i for i, m in enumerate(models) if m not in r.degraded]
     if not alive:
         return None
     nxt = alive[0]
     header.down_models = list(r.degraded)
-    header.num_generated = len(r.tokens) - r.n_prompt
-    if nxt in touched and seen[nxt] >= len(r.tokens):
+    header.num_generated = len(r.output_ids)
+    if nxt in r.touched and r.seen[nxt] >= len(r.tokens):
         # it holds every token already (the handoff step's token was not committed): nothing to
         # resume with, so free its state and admit the request anew with the whole sequence
-        if nxt not in released:
-            transport.release(models[nxt], rid)
-        released.discard(nxt)
-        seen[nxt] = 0
+        if nxt not in r.released:
+            transport.release(models[nxt], r.rid)
+        r.released.discard(nxt)
+        r.seen[nxt] = 0
     return nxt
 
 

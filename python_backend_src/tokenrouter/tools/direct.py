@@ -15,6 +15,8 @@ import multiprocessing as mp
 import queue
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from ..protocol import Configure, PeerReq, Stats
+
 __all__ = ["DirectCluster"]
 
 
@@ -26,12 +28,13 @@ def _worker(name: str, engine_kwargs: Dict[str, Any], sched_kwargs: Dict[str, An
     from ..engine.sglang_engine import SGLangEngine
     from ..algorithms import configure as configure_algorithm
     from ..engine.config import SubserverConfig
+    from ..engine.op_dispatch import OpDispatcher
     from ..engine.subserver import Subserver
     from ..routing.peer import PeerServer
 
     sub = Subserver(SGLangEngine(EngineConfig(**engine_kwargs)), name, SubserverConfig(**sched_kwargs),
                     configure_algorithm=configure_algorithm)
-    server = PeerServer(sub)
+    server = PeerServer(OpDispatcher(sub))
     out_q.put((name, server.endpoint))
     cmd_q.get()  # "stop"
     server.close()
@@ -78,9 +81,9 @@ class DirectCluster:
         """Process id of each model's worker (model name → pid)."""
         return {p.name[len("direct-"):]: p.pid for p in self._procs}
 
-    def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
-        """One visit of ``rid`` to ``model`` (see :meth:`tokenrouter.routing.peer.PeerClient.segment`)."""
-        return self.peers.segment(model, rid, tokens, header)
+    def segment(self, model: str, peer_req: PeerReq) -> Iterator[Tuple[List[int], Any]]:
+        """One visit of ``peer_req`` to ``model`` (see :meth:`tokenrouter.routing.segments.Transport.segment`)."""
+        return self.peers.segment(model, peer_req)
 
     def release(self, model: str, rid: str) -> None:
         """Free ``rid``'s state on ``model``."""
@@ -88,11 +91,11 @@ class DirectCluster:
 
     def stats(self, model: str) -> dict:
         """The model's Subserver.stats()."""
-        return self.peers.call(model, "stats")
+        return self.peers.call(model, Stats())
 
     def configure(self, model: str, **settings: Any) -> None:
         """Subserver.reconfigure on ``model`` (delayed_batch_size, max_wait_s, …)."""
-        self.peers.call(model, "configure", settings)
+        self.peers.call(model, Configure(args=settings))
 
     def close(self) -> None:
         """Stop the workers."""
@@ -132,9 +135,9 @@ class DirectRouter:
         self.stop_ids = stop_token_ids(self.tokenizer)
         self._ids = itertools.count()
 
-    def segment(self, model, rid, tokens, header):
-        """One visit of ``rid`` to ``model``: the transport call of :func:`~tokenrouter.routing.router_core.drive`."""
-        return self.cluster.segment(model, rid, tokens, header)
+    def segment(self, model, peer_req):
+        """One visit of ``peer_req`` to ``model``: the transport call of :func:`~tokenrouter.routing.router_core.drive`."""
+        return self.cluster.segment(model, peer_req)
 
     def release(self, model, rid):
         """Free ``rid``'s KV on ``model`` (the request is finished or cancelled)."""

@@ -5,10 +5,12 @@ channel (:mod:`tokenrouter.routing.peer`: a ROUTER socket at ``peer_endpoint``,
 default a fresh ``ipc://`` path, which op ``endpoint`` reports).  The same
 operations are served as Triton requests: a router with ``transport: triton``
 (:mod:`tokenrouter.triton.transport`) sends every segment that way, and admin
-tools and tests use them.  The ``run`` requests of one ``execute`` call — the
-arrivals Triton's dynamic batcher grouped — enter the decode loop as one group,
-so they share a step (docs/transport.md: how the batcher and the loop's own
-delayed batching divide the work).  One *Triton I/O* thread sends every
+tools and tests use them.  Both ways, the ops (:mod:`tokenrouter.protocol`) go
+to the model's one :class:`~tokenrouter.engine.op_dispatch.OpDispatcher`.  The
+``run`` requests of one ``execute`` call — the arrivals Triton's dynamic batcher
+grouped — enter the decode loop as one group, so they share a step
+(docs/transport.md: how the batcher and the loop's own delayed batching divide
+the work).  One *Triton I/O* thread sends every
 response and publishes the metrics; ``execute`` only reads its requests.
 
 Triton wire protocol (clients normally talk to ``token_router``):
@@ -16,21 +18,23 @@ Triton wire protocol (clients normally talk to ``token_router``):
 Inputs
     ``request_id`` BYTES [1]   request id
     ``op`` BYTES [1]           ``run`` (default), ``release``, ``stats``, ``endpoint``, ``ping``
-                               (answers ``{"kind": "pong", "pid"}``), ``configure``
+                               (answers ``{"kind": "pong", "pid", "instance", "model"}``), ``configure``
                                (``peer_req`` then holds scheduling settings to change
                                at run time, e.g. {"delayed_batch_size": B}: see _configure),
                                ``events`` (``peer_req``: {"since": cursor, "limit": n}; the
                                routing events after the cursor: see _events)
                                or ``calibrate`` (``peer_req``: {"batch_sizes", "context",
                                "decode_steps"}; times synthetic steps on an idle model:
-                               see _start_calibration), ``flush`` (empties the prefix cache:
-                               answers {"kind": "flushed", "flushed_tokens", "prefix_cache_tokens"})
+                               see :class:`~tokenrouter.engine.op_dispatch.OpDispatcher`), ``flush``
+                               (empties the prefix cache: answers {"kind": "flushed", "flushed_tokens",
+                               "prefix_cache_tokens"}); the ops of :mod:`tokenrouter.protocol`
     ``input_ids`` INT64 [-1]   the token suffix this model has not seen (ragged)
     ``peer_req`` BYTES [1]     PeerReq header JSON (:class:`tokenrouter.protocol.PeerReq`)
 
 Outputs (a stream of responses per ``run``; the last carries the FINAL flag)
     ``output_ids`` INT64 [-1]  tokens committed by this model in this chunk
-    ``event`` BYTES [1]        JSON ``{"kind": "tokens"|"handoff"|"finished"|"cancelled", …}``
+    ``event`` BYTES [1]        JSON ``{"kind": "tokens"|"handoff"|"finished"|"cancelled", …}`` (an event
+                               of :mod:`tokenrouter.protocol`; an op's failure is the request's error)
 
 Config parameters (config.pbtxt ``parameters``; read once, at load, into
 :class:`~tokenrouter.triton.settings.LLMSettings`, whose docstring gives each one's unit and
@@ -83,12 +87,13 @@ from ..algorithms import configure as configure_algorithm
 from ..engine.config import EngineConfig, SubserverConfig
 from ..engine.event_ring import EventRing
 from ..engine.lockstep import TurnRing, default_ring_path
+from ..engine.op_dispatch import OpDispatcher
 from ..engine.sglang_engine import SGLangEngine
-from ..engine.subserver import FINAL_KINDS, Subserver
+from ..engine.subserver import Subserver
 from ..routing.curve import CurveServer
 from ..proc import process_start_time, server_pid
 from ..routing.peer import PeerServer, dead_routers, remove_advert, write_advert
-from ..protocol import PeerReq
+from ..protocol import Failed, ModelEvent, OpWire, encode_event, is_final
 from . import model_control
 from .messages import CloseIO, ErrorReply, TokensReply
 from .common import model_parameters
@@ -228,8 +233,11 @@ class TritonPythonModel:
             curve = CurveServer.from_settings(s.curve, s.peer_endpoint or "", self.name)
         except ValueError as e:
             raise pb_utils.TritonModelException(str(e)) from None
-        self.peer_server = PeerServer(self.subserver, s.peer_endpoint, configure_fn=self._configure,
-                                      events_fn=self._events, curve=curve, router_timeout_s=s.router_timeout_s)
+        # the ops of both ways in (Triton requests, the channel) go to one dispatcher
+        self.dispatcher = OpDispatcher(self.subserver, configure=self._configure, events=self._events,
+                                       endpoint=self._endpoint)
+        self.peer_server = PeerServer(self.dispatcher, s.peer_endpoint, curve=curve,
+                                      router_timeout_s=s.router_timeout_s)
         logger.info("model %s: inter-model channel on %s", self.name, self.peer_server.endpoint)
 
     def init_io_thread(self) -> None:
@@ -338,21 +346,21 @@ class TritonPythonModel:
                 next_pub = now + METRICS_INTERVAL_S
         self._publish_metrics(published)
 
-    def _send(self, sender, tokens: List[int], event: Dict[str, Any], final: bool = True) -> None:
-        """Queue one response for the I/O thread (any thread)."""
-        self._io_q.put(TokensReply(sender, list(tokens), event, final))
-
-    def _send_error(self, sender, message: str) -> None:
-        """Queue a final error response for the I/O thread (any thread)."""
-        self._io_q.put(ErrorReply(sender, message))
+    def _reply(self, sender):
+        """The reply of one Triton request (any thread): its events as responses through the I/O
+        thread, a :class:`~tokenrouter.protocol.Failed` as the request's error."""
+        def reply(event: ModelEvent, tokens=()) -> None:
+            if isinstance(event, Failed):
+                self._io_q.put(ErrorReply(sender, event.message))
+            else:
+                self._io_q.put(TokensReply(sender, list(tokens), event, is_final(event)))
+        return reply
 
     def _configure(self, cfg: Dict[str, Any]) -> None:
         """Apply a ``configure`` op: the same keys as the config parameters
         ``delayed_batch_size``, ``delayed_batch_max_wait_us``, ``stream_interval``,
         ``readmit_on_resume``, ``prefill_chunk_tokens``, ``lockstep_group`` ("" turns lock-step off),
         ``prefix_cache`` (true/false; off only while no request reads a cached prefix)."""
-        if not isinstance(cfg, dict):
-            raise ValueError("configure expects a JSON object")
         conv = {"delayed_batch_size": ("delayed_batch_size", lambda k, v: _count(k, v, 1)),
                 "delayed_batch_max_wait_us": ("max_wait_s", lambda k, v: float(v) / 1e6),
                 "stream_interval": ("stream_interval", lambda k, v: _count(k, v, 1)),
@@ -400,6 +408,10 @@ class TritonPythonModel:
         return {"model": self.name, **out, "delayed_batch_size": int(cfg.delayed_batch_size),
                 "delayed_batch_max_wait_us": int(round(cfg.max_wait_s * 1e6))}
 
+    def _endpoint(self) -> Dict[str, Any]:
+        """Op ``endpoint``: ``{"endpoint"`` (the channel's), ``"pid", "start"}`` of this stub process."""
+        return {"endpoint": self.peer_server.endpoint, "pid": os.getpid(), "start": process_start_time(os.getpid())}
+
     def _ring(self, group: str):
         members = [m.strip() for m in group.split(",") if m.strip()]
         if self.name not in members:
@@ -410,108 +422,32 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- execute
     def execute(self, requests: List[Any]) -> None:
-        """Handle the requests of one call; ``run`` requests enter the decode loop as one group.
+        """Hand the requests of one call to the dispatcher as one batch; its ``run`` ops enter the
+        decode loop as one group.
 
         With ``dynamic_batching`` the requests of one call are the arrivals Triton's
         batcher grouped (router ``transport: triton``): submitting them together makes
         them join the same step (:meth:`Subserver.submit_group`).
         """
-        runs = []
+        batch = []
         for request in requests:
-            sender = request.get_response_sender()
+            reply = self._reply(request.get_response_sender())
             try:
-                rid = _str_input(request, "request_id")
-                op = _str_input(request, "op", "run") or "run"
-                if not rid and op not in ("stats", "endpoint", "configure", "calibrate", "ping", "events", "flush"):
-                    raise ValueError("request_id is required")
-                if op == "run":
-                    ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
-                    ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).astype(np.int64).tolist()
-                    pr = PeerReq.from_wire(_str_input(request, "peer_req", "{}"), ids)
-                    if pr.rid != rid:
-                        pr.rid = rid
-                    runs.append((pr, self._make_sink(sender)))
-                elif op == "release":
-                    if any(pr.rid == rid for pr, _ in runs):  # its run came first: keep that order
-                        self.subserver.submit_group(runs)
-                        runs = []
-                    self.subserver.release(rid)
-                    self._send(sender, [], {"kind": "released"})
-                elif op == "configure":
-                    self._configure(json.loads(_str_input(request, "peer_req", "{}") or "{}"))
-                    self._send(sender, [], {"kind": "configured"})
-                elif op == "calibrate":
-                    self._start_calibration(json.loads(_str_input(request, "peer_req", "{}") or "{}"), sender)
-                elif op == "events":
-                    req = json.loads(_str_input(request, "peer_req", "{}") or "{}")
-                    self._send(sender, [], {"kind": "events", **self._events(req)})
-                elif op == "stats":
-                    self._send(sender, [], {"kind": "stats", **self.subserver.stats()})
-                elif op == "flush":
-                    self._send(sender, [], {"kind": "flushed", **self.subserver.flush_prefix_cache()})
-                elif op == "ping":
-                    self._send(sender, [], {"kind": "pong", "pid": os.getpid()})
-                elif op == "endpoint":
-                    self._send(sender, [], {"kind": "endpoint", "endpoint": self.peer_server.endpoint,
-                                            "pid": os.getpid(), "start": process_start_time(os.getpid())})
-                else:
-                    raise ValueError(f"unknown op {op!r}; expected run, release, stats, configure, calibrate, "
-                                     "flush, ping, events or endpoint")
-            except Exception as e:  # noqa: BLE001 - answer this request only
-                self._send_error(sender, str(e))
-        if runs:
-            self.subserver.submit_group(runs)
+                ids_t = pb_utils.get_input_tensor_by_name(request, "input_ids")
+                ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).astype(np.int64).tolist()
+                batch.append((OpWire(_str_input(request, "op", "run"), _str_input(request, "request_id"),
+                                     _str_input(request, "peer_req", "{}"), ids), reply))
+            except Exception as e:  # noqa: BLE001 - unreadable inputs fail this request only
+                reply(Failed(message=f"model {self.name}: {e}"))
+        self.dispatcher.handle(batch)
         return None
 
-    def _start_calibration(self, cfg: Dict[str, Any], sender) -> None:
-        """Op ``calibrate``: time synthetic steps (:meth:`Subserver.calibrate`) and answer with the table.
-
-        ``peer_req`` holds ``{"batch_sizes": [1, 2, 4, …], "context": 256, "decode_steps": 8}``
-        (defaults: 1, 2, 4, 8; 256; 8). Runs in its own thread, so ``execute`` returns at once;
-        the answer is one final response, event ``{"kind": "calibration", …}``, or an error
-        (model not idle, KV pool too small, bad arguments).
-
-        Raises:
-            ValueError: malformed arguments (answered as that request's error).
-        """
-        if not isinstance(cfg, dict):
-            raise ValueError("calibrate expects a JSON object")
-        unknown = set(cfg) - {"batch_sizes", "context", "decode_steps"}
-        if unknown:
-            raise ValueError(f"unknown calibrate keys {sorted(unknown)}; allowed: batch_sizes, context, decode_steps")
-        bs = cfg.get("batch_sizes", [1, 2, 4, 8])
-        if not isinstance(bs, list) or not bs or any(isinstance(b, bool) or not isinstance(b, int) or b < 1
-                                                     for b in bs):
-            raise ValueError("batch_sizes must be a non-empty list of integers >= 1")
-        ctx, steps = cfg.get("context", 256), cfg.get("decode_steps", 8)
-        for name, v in (("context", ctx), ("decode_steps", steps)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1")
-
-        def run() -> None:
-            try:
-                res = self.subserver.calibrate(bs, context=ctx, decode_steps=steps)
-                self._send(sender, [], {"kind": "calibration", **res})
-            except Exception as e:  # noqa: BLE001 - answer this request only
-                self._send_error(sender, f"calibrate: {e}")
-
-        threading.Thread(target=run, name=f"calibrate-{self.name}", daemon=True).start()
-
     @staticmethod
-    def _response(tokens: List[int], event: Dict[str, Any]):
+    def _response(tokens: List[int], event: ModelEvent):
         return pb_utils.InferenceResponse(output_tensors=[
             pb_utils.Tensor("output_ids", np.asarray(tokens, dtype=np.int64)),
-            pb_utils.Tensor("event", np.asarray([json.dumps(event).encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("event", np.asarray([encode_event(event)], dtype=np.object_)),
         ])
-
-    def _make_sink(self, sender):
-        """A segment sink (decode-loop thread) answering a Triton ``run`` request through the I/O thread."""
-        def sink(kind: str, tokens: List[int], info: Dict[str, Any]) -> None:
-            if kind == "error":
-                self._send_error(sender, info.get("message", "error"))
-                return
-            self._send(sender, tokens, {"kind": kind, **info}, final=kind in FINAL_KINDS)
-        return sink
 
     # -------------------------------------------------------------- liveness
     def _start_liveness(self) -> None:

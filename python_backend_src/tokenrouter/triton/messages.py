@@ -132,14 +132,14 @@ class TokensReply:
     Attributes:
         sender: the request's response sender.
         tokens: token ids (may be empty).
-        event: the event dict, ``{"kind": ..., ...}`` (the segment kinds of
-            :mod:`tokenrouter.engine.subserver`, or an op's answer).
+        event: the event (:data:`tokenrouter.protocol.ModelEvent`: a segment's, or an op's
+            answer), encoded by the I/O thread.
         final: send with the final flag.
     """
 
     sender: Any
     tokens: List[int]
-    event: Dict[str, Any]
+    event: Any
     final: bool = True
 
 

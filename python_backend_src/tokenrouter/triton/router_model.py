@@ -117,7 +117,7 @@ from ..engine.sampling import InputLimits, SamplingParams, check_json_text, pars
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
 from ..routing.peer import PeerClient, PeerDownError, advert_path, read_advert, remove_advert, write_advert
-from ..protocol import FinishReason
+from ..protocol import FinishReason, Ping
 from ..routing.router_core import PromptTooLong, drive, encode_prompt, make_header, stop_token_ids
 from . import model_control
 from .common import model_parameters
@@ -1023,7 +1023,7 @@ class _PeerFailure:
             return False
         try:
             self.router.peers.mark_up(model, adv)
-            self.router.peers.call(model, "ping", timeout_s=10)
+            self.router.peers.call(model, Ping(), timeout_s=10)
             return True
         except Exception as e:  # noqa: BLE001 - not back yet
             logger.info("model %s not back yet: %s", model, e)

@@ -9,8 +9,10 @@ and its token chunks come back as the model's decoupled responses.  So every
 handoff passes Triton's scheduler: the model's ``dynamic_batching`` block groups
 arrivals (see ``docs/transport.md``) and ``/v2/models/<model>/stats`` counts them.
 ``release`` is a request with ``op = release``; ``stats`` / ``configure`` /
-``ping`` likewise.  :class:`TritonTransport` has the interface
-:func:`tokenrouter.routing.router_core.drive` expects (the same as
+``ping`` likewise.  The inputs are an op's wire values and the ``event`` output an
+event's JSON, both from :mod:`tokenrouter.protocol`'s codec, so the model answers
+them with the dispatcher its ZeroMQ channel uses.  :class:`TritonTransport` is a
+:class:`~tokenrouter.routing.segments.Transport` (the same as
 :class:`~tokenrouter.routing.peer.PeerClient`).
 
 Threading — what the Triton 2.51 Python backend (python_backend r24.10) allows
@@ -61,18 +63,17 @@ more); it holds no lock and only its thread is lost.
 from __future__ import annotations
 
 import collections
-import json
 import logging
 import queue
 import re
 import threading
-import time
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from ..proc import process_alive, process_start_time
-from ..routing.segments import DownMarks, PeerChannelError, PeerDownError, Segments
+from ..protocol import Event, Failed, OpWire, decode_event, is_final
+from ..routing.segments import DownMarks, PeerDown, PeerDownError, SegmentTransport
 
 logger = logging.getLogger(__name__)
 
@@ -97,23 +98,26 @@ class _Pump:
     Args:
         transport: the owning :class:`TritonTransport` (BLS module, burial, down marking).
         model: target model name.
-        inputs: ``{"request_id", "op", "input_ids", "peer_req"}`` values.
-        out: callable(ids, event) receiving each response as plain values, then a
-            final ``([], {"kind": "_end"})``; None for fire-and-forget calls.
+        wire: the op's wire values (the request's inputs).
+        out: callable(ids, event) receiving each response as typed values (a response
+            without an event is skipped); a stream that ends without a final event ends
+            with a :class:`~tokenrouter.protocol.Failed`.  None for fire-and-forget calls.
         after: an Event to wait for before the call (a release of the same request
             on the same model that must reach the model first), or None.
         on_sent: callable() run once ``exec`` has returned (the model received the request)
             or the call failed.
     """
 
-    def __init__(self, transport: "TritonTransport", model: str, inputs: Dict[str, Any],
-                 out: Optional[Callable[[List[int], Dict[str, Any]], None]],
+    def __init__(self, transport: "TritonTransport", model: str, wire: OpWire,
+                 out: Optional[Callable[[List[int], Event], None]],
                  after: Optional[threading.Event] = None, on_sent: Optional[Callable[[], None]] = None):
-        self.t, self.model, self.inputs, self.out = transport, model, inputs, out
+        self.t, self.model, self.wire, self.out = transport, model, wire, out
         self.after, self.on_sent = after, on_sent
-        threading.Thread(target=self._run, name=f"bls-{model}-{inputs['op']}", daemon=True).start()
+        self.ended = False  # a final event was handed on
+        threading.Thread(target=self._run, name=f"bls-{model}-{wire.op}", daemon=True).start()
 
-    def _emit(self, ids: List[int], ev: Dict[str, Any]) -> None:
+    def _emit(self, ids: List[int], ev: Event) -> None:
+        self.ended = self.ended or is_final(ev) or isinstance(ev, PeerDown)
         if self.out is not None:
             self.out(ids, ev)
 
@@ -124,13 +128,13 @@ class _Pump:
 
     def _request(self):
         pb = self.t.pb_utils
-        i = self.inputs
+        w = self.wire
         return pb.InferenceRequest(
             model_name=self.model, requested_output_names=["output_ids", "event"],
-            inputs=[pb.Tensor("request_id", np.asarray([[i["request_id"].encode()]], dtype=np.object_)),
-                    pb.Tensor("op", np.asarray([[i["op"].encode()]], dtype=np.object_)),
-                    pb.Tensor("input_ids", np.asarray(i.get("input_ids") or [], dtype=np.int64).reshape(1, -1)),
-                    pb.Tensor("peer_req", np.asarray([[i.get("peer_req", "{}").encode()]], dtype=np.object_))])
+            inputs=[pb.Tensor("request_id", np.asarray([[w.rid.encode()]], dtype=np.object_)),
+                    pb.Tensor("op", np.asarray([[w.op.encode()]], dtype=np.object_)),
+                    pb.Tensor("input_ids", np.asarray(list(w.tokens), dtype=np.int64).reshape(1, -1)),
+                    pb.Tensor("peer_req", np.asarray([[w.payload.encode()]], dtype=np.object_))])
 
     def _run(self) -> None:
         it = req = None
@@ -144,13 +148,15 @@ class _Pump:
                 try:
                     self._handle(resp)
                 except Exception as e:  # noqa: BLE001 - e.g. a response without valid JSON
-                    self._emit([], {"kind": "error", "message": f"model {self.model}: bad response: {e}"})
+                    self._emit([], Failed(message=f"model {self.model}: bad response: {e}"))
         except Exception as e:  # noqa: BLE001 - this stream only
-            logger.exception("BLS %s to %s failed", self.inputs["op"], self.model)
-            self._emit([], {"kind": "error", "message": f"model {self.model}: BLS call failed: {e}"})
+            logger.exception("BLS %s to %s failed", self.wire.op, self.model)
+            self._emit([], Failed(message=f"model {self.model}: BLS call failed: {e}"))
         finally:
             self._sent()
-            self._emit([], {"kind": "_end"})
+            if not self.ended:
+                self._emit([], Failed(message=f"model {self.model} ended the {self.wire.op!r} stream "
+                                              "without a final event"))
             self.t.bury(it, req)
 
     def _handle(self, resp) -> None:
@@ -158,23 +164,22 @@ class _Pump:
             msg = resp.error().message()
             if is_down_error(msg):
                 self.t.mark_down(self.model, f"model {self.model} is down: {msg}")
-                self._emit([], {"kind": "peer_down", "message": f"model {self.model} is down: {msg}"})
+                self._emit([], PeerDown(message=f"model {self.model} is down: {msg}"))
             else:
-                self._emit([], {"kind": "error", "message": msg})
+                self._emit([], Failed(message=msg))
             return
-        self._emit(*self._values(resp))
-
-    def _values(self, resp) -> Tuple[List[int], Dict[str, Any]]:
         pb = self.t.pb_utils
-        ids_t = pb.get_output_tensor_by_name(resp, "output_ids")
         ev_t = pb.get_output_tensor_by_name(resp, "event")
+        if ev_t is None:  # a response without values (e.g. only the final flag)
+            return
+        ids_t = pb.get_output_tensor_by_name(resp, "output_ids")
         ids = [] if ids_t is None else ids_t.as_numpy().reshape(-1).tolist()
-        ev = {"kind": "_empty"} if ev_t is None else json.loads(ev_t.as_numpy().reshape(-1)[0])
-        return ids, ev
+        self._emit(ids, decode_event(ev_t.as_numpy().reshape(-1)[0]))
 
 
-class TritonTransport:
-    """Router side of the Triton transport (see module docstring).
+class TritonTransport(SegmentTransport):
+    """Router side of the Triton transport (see module docstring); segments and calls from
+    :class:`~tokenrouter.routing.segments.SegmentTransport`.
 
     Args:
         resolve: callable(model) → ``{"pid": int, "start": int | None, ...}`` of the model's
@@ -182,7 +187,7 @@ class TritonTransport:
             marked up), or a dict without ``pid`` when unknown (no liveness watch then).
         stall_timeout_s: a segment whose model sends nothing this long fails with
             :class:`PeerChannelError` (seconds; 0 = wait forever).
-        tick_s: while waiting, :meth:`segment` yields ``([], {"kind": "tick"})`` every
+        tick_s: while waiting, :meth:`segment` yields ``([], TICK)`` every
             ``tick_s`` seconds so that the caller can check cancellation (and at once
             on :meth:`interrupt`).
         on_down: optional callable(model, reason), called once each time a model is marked down.
@@ -198,14 +203,14 @@ class TritonTransport:
                  liveness_interval_s: float = 0.25, pb_utils=None):
         if pb_utils is None:
             import triton_python_backend_utils as pb_utils  # noqa: PLC0415 - only inside a stub
+        super().__init__(tick_s, stall_timeout_s)
         self.pb_utils = pb_utils
         self._resolve = resolve
         self.liveness_interval_s = float(liveness_interval_s)
         self._lock = threading.Lock()
         self._procs: Dict[str, Tuple[int, Optional[int]]] = {}  # model -> (pid, start time)
         self._known: set = set()  # models resolved since their last down mark
-        self._marks = DownMarks(on_down)
-        self._segments = Segments(tick_s, stall_timeout_s)  # owner: the model's name
+        self._marks = DownMarks(on_down)  # the segments' owner: the model's name
         self._releasing: Dict[Tuple[str, str], threading.Event] = {}
         self._grave: Deque[Tuple[int, tuple]] = collections.deque()
         self._grave_seq = 0
@@ -311,36 +316,26 @@ class TritonTransport:
         with self._lock:
             return self._releasing.get((model, rid))
 
-    def interrupt(self) -> None:
-        """Wake every segment waiting for a response: each yields one tick now (see ``tick_s``)."""
-        self._segments.interrupt()
-
-    def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
-        """One visit of ``rid`` to ``model`` as a decoupled BLS ``run`` request.
-
-        Yields ``(committed token ids, event)`` until a final event; between responses
-        ``([], {"kind": "tick"})`` every ``tick_s`` seconds.
+    def _start(self, model: str, wire: OpWire) -> Tuple[int, "queue.Queue", None]:
+        """Register a segment on ``model`` and start its BLS stream (a ``run`` waits for a release of
+        the same request on the same model to reach the model first).
 
         Raises:
-            RuntimeError: the model reported an error.
-            PeerDownError: the model is down, or went down during the segment.
-            PeerChannelError: the model sent nothing for ``stall_timeout_s``.
+            PeerDownError: the model is down.
         """
-        self._know(model)
+        if wire.op == "run":
+            self._know(model)  # resolves its process for the liveness watch
         seg, q = self._segments.open(model)
         try:
-            _Pump(self, model, {"request_id": rid, "op": "run", "input_ids": list(tokens), "peer_req": header},
-                  lambda ids, ev: q.put((ids, ev)), after=self._after_release(model, rid))
+            reason = self._marks.reason(model)  # checked after the segment is open: no lost mark
+            if reason is not None:
+                raise PeerDownError(model, reason)
+            _Pump(self, model, wire, lambda ids, ev: q.put((ids, ev)),
+                  after=self._after_release(model, wire.rid) if wire.op == "run" else None)
         except BaseException:
             self._segments.close(seg)
             raise
-
-        def check(_toks, ev) -> bool:
-            if ev.get("kind") == "_end":
-                raise RuntimeError(f"model {model} ended the request's stream without a final event")
-            return ev.get("kind") != "_empty"  # a response without values
-
-        yield from self._segments.responses(model, seg, q, check)
+        return seg, q, None
 
     def release(self, model: str, rid: str) -> None:
         """Free ``rid``'s state on ``model`` (a BLS ``release``; does not wait for it).
@@ -360,40 +355,7 @@ class TritonTransport:
                 if self._releasing.get((model, rid)) is sent:
                     del self._releasing[(model, rid)]
 
-        _Pump(self, model, {"request_id": rid, "op": "release"}, None, on_sent=done)
-
-    def call(self, model: str, op: str, settings: Optional[Dict[str, Any]] = None,
-             timeout_s: float = 60.0) -> Dict[str, Any]:
-        """``stats``, ``configure`` or ``ping`` on ``model`` over BLS; returns the result dict.
-
-        Raises:
-            RuntimeError: the model reported an error.
-            PeerDownError: the model is down.
-            PeerChannelError: no answer within ``timeout_s`` seconds.
-        """
-        if self.is_down(model):
-            raise PeerDownError(model, self.down()[model])
-        q: "queue.Queue" = queue.Queue()
-        _Pump(self, model, {"request_id": "", "op": op, "peer_req": json.dumps(settings or {})},
-              lambda ids, ev: q.put(ev))
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                ev = q.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise PeerChannelError(f"model {model} did not answer {op!r} in {timeout_s:.0f} s") from None
-            kind = ev.pop("kind", None)
-            if kind == "peer_down":
-                raise PeerDownError(model, ev.get("message") or f"model {model} is down")
-            if kind in ("error", "_end"):
-                raise RuntimeError(ev.get("message") or f"model {model}: no answer to {op!r}")
-            if kind == "_empty":
-                continue
-            return ev
-
-    def fail_all(self, message: str) -> None:
-        """End every open segment with :class:`PeerDownError` ``message`` (used at shutdown)."""
-        self._segments.fail(message)
+        _Pump(self, model, OpWire("release", rid), None, on_sent=done)
 
     def close(self) -> None:
         """Stop the liveness watch (burials stay until the process ends: no fence can pass any more)."""

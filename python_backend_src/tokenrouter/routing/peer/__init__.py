@@ -18,20 +18,24 @@ router dials (no connection from a model to a router: NAT and Kubernetes
 services are fine).
 
 Wire format (multipart messages; the model's ROUTER socket adds/strips the
-connection identity frame):
+connection identity frame), the values of :mod:`tokenrouter.protocol`'s codec
+(the model's Triton interface carries the same ones as tensors):
 
-* command, router → model: ``[meta JSON, tokens]`` with meta
-  ``{"op": "run"|"release"|"ping"|"stats"|"configure"|"events", "seg": int, "rid": str,
-  "header": PeerReq header JSON | "settings": {...}, "router_pid", "router_start"}``
-  and tokens the int64 little-endian token suffix the model has not seen
-  (``run`` only);
-* response, model → router: ``[meta JSON, tokens]`` with meta
-  ``{"seg": int, "kind": "tokens"|"handoff"|"finished"|"cancelled"|"error"|"result", …}``
-  and tokens the committed token ids of this chunk.
+* command, router → model: ``[envelope JSON, op, request id, payload, tokens]``,
+  the envelope ``{"seg": int, "router_pid", "router_start"}``, then an
+  :class:`~tokenrouter.protocol.OpWire` (``payload``: the PeerReq header JSON of
+  a ``run``, an argument's JSON; tokens: the int64 little-endian token suffix the
+  model has not seen, ``run`` only);
+* response, model → router: ``[seg, event JSON, tokens]``, the event one of
+  :mod:`tokenrouter.protocol` (``{"kind": "tokens"|"handoff"|"finished"|
+  "cancelled"|"error", …}`` in a segment, an op's answer otherwise) and tokens the
+  committed token ids of this chunk.
 
-``seg`` identifies one visit of a request to a model (a *segment*); responses
-of a segment the router has already closed are dropped.  ``seg`` 0 is the
-router's heartbeat (``ping``; see :class:`PeerClient`).
+On the model the ops go to its :class:`~tokenrouter.engine.op_dispatch.OpDispatcher`,
+the one its Triton requests go to as well.  ``seg`` identifies one visit of a
+request to a model (a *segment*) or one call; responses of a segment the router
+has already closed are dropped.  ``seg`` 0 is the router's heartbeat (``ping``;
+see :class:`PeerClient`) and its releases (fire and forget).
 
 Threading: a ZeroMQ socket is not thread-safe, so each is used under a lock
 (:class:`~tokenrouter.routing.peer.wire.SharedSocket`): the threads that produce messages

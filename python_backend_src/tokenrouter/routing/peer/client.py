@@ -11,15 +11,16 @@ import queue
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
 from ...proc import process_alive, process_start_time
+from ...protocol import Answer, Cancelled, Event, Finished, OpWire, Ping, encode_op
 from ..curve import HandshakeLog, is_tcp
 from ..replicas import Link, Replicas
-from ..segments import DownMarks, PeerChannelError, PeerDownError, Segments
-from .wire import SharedSocket, handle_all, make_socket, meta_frame, tokens_frame, tokens_list
+from ..segments import DownMarks, PeerChannelError, PeerDownError, SegmentTransport
+from .wire import SharedSocket, event_of_frames, handle_all, make_socket, op_frames
 
 logger = logging.getLogger("tokenrouter.routing.peer")
 
@@ -58,8 +59,10 @@ def parse_remote_models(text: str) -> Dict[str, List[str]]:
     return out
 
 
-class PeerClient:
-    """Router side of the channel: the transport of :func:`tokenrouter.routing.router_core.drive`.
+class PeerClient(SegmentTransport):
+    """Router side of the channel: a :class:`~tokenrouter.routing.segments.Transport` of
+    :func:`tokenrouter.routing.router_core.drive` (segments and calls from
+    :class:`~tokenrouter.routing.segments.SegmentTransport`).
 
     One DEALER connection per model replica: request workers send their
     commands on it themselves, one I/O thread receives every model's answers
@@ -91,9 +94,9 @@ class PeerClient:
             or a dict ``{"endpoint": str, "pid": int, "start": int}``.
         stall_timeout_s: a segment whose model sends nothing for this long fails
             with :class:`PeerChannelError` (seconds; 0 = wait forever).
-        tick_s: while waiting, :meth:`segment` yields a ``{"kind": "tick"}``
-            event every ``tick_s`` seconds so the caller can check cancellation
-            (and at once on :meth:`interrupt`).
+        tick_s: while waiting, :meth:`segment` yields a ``TICK`` event every
+            ``tick_s`` seconds so the caller can check cancellation (and at once on
+            :meth:`interrupt`).
         on_down: optional callable(model, reason) called once each time a model
             is marked down (from the I/O thread or the caller of ``mark_down``).
         liveness_interval_s: seconds between two process checks of local models.
@@ -122,7 +125,7 @@ class PeerClient:
         os.set_blocking(self._wake_w, False)
         self._resolve_lock = threading.Lock()
         self._link_ids = itertools.count(1)
-        self._segments = Segments(tick_s, stall_timeout_s)
+        super().__init__(tick_s, stall_timeout_s)
         self._replicas = Replicas(self._segments, DownMarks(on_down), self._wake, on_up)
         self.remote = dict(remote or {})
         for model, eps in self.remote.items():
@@ -130,16 +133,6 @@ class PeerClient:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._io_loop, name="peer-io", daemon=True)
         self._thread.start()
-
-    @property
-    def tick_s(self) -> float:
-        """Seconds between two ``tick`` events of a waiting :meth:`segment`."""
-        return self._segments.tick_s
-
-    @property
-    def stall_timeout_s(self) -> float:
-        """Seconds of silence after which a segment fails (0 = wait forever)."""
-        return self._segments.stall_timeout_s
 
     # ------------------------------------------------------------ sockets
     def _connect(self, model: str, endpoint: str, remote: bool, proc=None) -> Link:
@@ -246,21 +239,20 @@ class PeerClient:
                 self._close_link(link)
 
     def _dispatch(self, link: Link, frames: List[bytes]) -> None:
-        meta = json.loads(frames[0])
+        seg, toks, ev = event_of_frames(frames)
         link.heard = time.monotonic()
-        seg = int(meta.pop("seg", 0))
         if seg == 0:  # a heartbeat's answer
-            if meta.get("kind") == "result":
-                instance = str((meta.get("result") or {}).get("instance") or "")
+            if isinstance(ev, Answer) and ev.kind == "pong":
+                instance = str(ev.result.get("instance") or "")
                 for rid in self._replicas.answered(link, instance):  # it was only slow: free what
-                    self._send(link, {"op": "release", "rid": rid})  # the failed requests held there
+                    self._send(link, 0, OpWire("release", rid))  # the failed requests held there
             return
         # a response of a segment already closed is dropped
-        self._segments.put(seg, (tokens_list(frames[1] if len(frames) > 1 else b""), meta))
+        self._segments.put(seg, (toks, ev))
 
     def _heartbeats(self, now: float) -> None:
         """Ping every heartbeat link; find silent ones down (I/O thread)."""
-        ping = [meta_frame({"op": "ping", "seg": 0, **self._me}), b""]
+        ping = op_frames({"seg": 0, **self._me}, encode_op(Ping()))
         for link in self._replicas.heartbeat_links():
             link.shared.send(ping)
             if link.down is None and now - link.heard > self.heartbeat_timeout_s:
@@ -332,60 +324,36 @@ class PeerClient:
             if not self._replicas.install_local(model, link, replace=False):
                 self._close_link(link)  # marked down meanwhile; never polled
 
-    def _send(self, link: Link, meta: Dict[str, Any], tokens=()) -> None:
+    def _send(self, link: Link, seg: int, wire: OpWire) -> None:
         """Send a command on ``link`` from this thread (dropped if the link was closed meanwhile:
         it is down then, and its segments have been told so)."""
         if link.shared is not None:
-            link.shared.send([meta_frame({**meta, **self._me}), tokens_frame(list(tokens))])
-
-    def _open(self, model: str, rid: Optional[str]) -> Tuple[Link, int, "queue.Queue"]:
-        """Pick the replica and register a segment on it (then check its down mark: no lost wake-up).
-
-        Raises:
-            PeerDownError: no replica of ``model`` is up.
-        """
-        self._ensure_local(model)
-        link = self._replicas.pick(model, rid)
-        seg, q = self._segments.open(link)
-        if link.down is not None:
-            self._segments.close(seg)
-            raise PeerDownError(link.model, link.down)
-        return link, seg, q
-
-    def interrupt(self) -> None:
-        """Wake every segment waiting for a response: each yields one tick now.
-
-        For a caller whose ``tick_s`` is long: when one of its requests is cancelled it
-        calls this instead of having every waiting request poll.  A :meth:`call` waiting
-        for its answer ignores the wake-up.
-        """
-        self._segments.interrupt()
+            link.shared.send(op_frames({"seg": seg, **self._me}, wire))
 
     # ----------------------------------------------------------- transport
-    def segment(self, model: str, rid: str, tokens: List[int], header: str) -> Iterator[Tuple[List[int], dict]]:
-        """One visit of ``rid`` to ``model``: yield ``(committed token ids, event)`` until a final event.
-
-        Between responses a ``([], {"kind": "tick"})`` is yielded every ``tick_s`` seconds.
+    def _start(self, model: str, wire: OpWire) -> Tuple[int, "queue.Queue", Optional[Callable[[Event], None]]]:
+        """Pick the replica (a ``run``: the one holding the request, if any; a call: any live one),
+        register a segment on it (then check its down mark: no lost wake-up) and send ``wire``.
 
         Raises:
-            RuntimeError: the model reported an error.
-            PeerDownError: the model (the replica holding the request) is down, or went down
-                during the segment.
-            PeerChannelError: the model sent nothing for ``stall_timeout_s``.
+            PeerDownError: no replica of ``model`` is up (the replica holding the request, for a ``run``).
         """
-        link, seg, q = self._open(model, rid)
+        self._ensure_local(model)
+        rid = wire.rid if wire.op == "run" else None
+        link = self._replicas.pick(model, rid)
+        seg, q = self._segments.open(link)
         try:
-            self._send(link, {"op": "run", "seg": seg, "rid": rid, "header": header}, tokens)
+            if link.down is not None:
+                raise PeerDownError(link.model, link.down)
+            self._send(link, seg, wire)
         except BaseException:
             self._segments.close(seg)
             raise
 
-        def check(_toks, ev) -> bool:
-            if ev.get("kind") in ("finished", "cancelled"):
+        def seen(ev: Event) -> None:
+            if rid is not None and isinstance(ev, (Finished, Cancelled)):
                 self._replicas.unhome(link, rid)  # its state there is gone
-            return True
-
-        yield from self._segments.responses(model, seg, q, check)
+        return seg, q, seen
 
     def release(self, model: str, rid: str) -> None:
         """Free ``rid``'s state on ``model`` (on the replica holding it; ends its running segment there).
@@ -395,39 +363,7 @@ class PeerClient:
         """
         link = self._replicas.take_home(model, rid)
         if link is not None and link.down is None:
-            self._send(link, {"op": "release", "rid": rid})
-
-    def call(self, model: str, op: str, settings: Optional[Dict[str, Any]] = None,
-             timeout_s: float = 60.0) -> Dict[str, Any]:
-        """``stats``, ``configure``, ``events`` or ``ping`` on ``model`` (a live replica of it); returns the result dict.
-
-        Raises:
-            RuntimeError: the model reported an error.
-            PeerDownError: the model is down.
-            PeerChannelError: no answer within ``timeout_s`` seconds.
-        """
-        link, seg, q = self._open(model, None)
-        try:
-            self._send(link, {"op": op, "seg": seg, "settings": settings or {}})
-            deadline = time.monotonic() + timeout_s
-            item = None
-            while item is None:  # None: an interrupt() meant for the waiting segments
-                try:
-                    item = q.get(timeout=max(0.0, deadline - time.monotonic()))
-                except queue.Empty:
-                    raise PeerChannelError(f"model {model} did not answer {op!r} in {timeout_s:.0f} s") from None
-            toks, ev = item
-            if ev.get("kind") == "peer_down":
-                raise PeerDownError(model, ev.get("message") or f"model {model} is down")
-            if ev.get("kind") == "error":
-                raise RuntimeError(ev.get("message") or f"model {model}: error")
-            return ev.get("result") or {}
-        finally:
-            self._segments.close(seg)
-
-    def fail_all(self, message: str) -> None:
-        """End every open segment with :class:`PeerDownError` ``message`` (used at shutdown)."""
-        self._segments.fail(message)
+            self._send(link, 0, OpWire("release", rid))
 
     def close(self) -> None:
         """Stop the I/O thread and close every socket."""

@@ -2,20 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
 import time
-import uuid
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import zmq
 
 from ...proc import process_alive
+from ...protocol import Cancelled, Failed, Finished, ModelEvent
 from ..curve import HandshakeLog, is_tcp
 from .adverts import default_endpoint, unlink_ipc
-from .wire import SharedSocket, handle_all, make_socket, meta_frame, tokens_frame, tokens_list
+from .wire import SharedSocket, event_frames, handle_all, make_socket, op_of_frames
 
 logger = logging.getLogger("tokenrouter.routing.peer")
 
@@ -35,18 +33,16 @@ class _RouterConn:
 
 
 class PeerServer:
-    """Model side of the channel: receives PeerReqs for one :class:`~tokenrouter.engine.subserver.Subserver`.
+    """Model side of the channel: the ops of the routers connected to it, for one model.
 
     A ROUTER socket bound at ``endpoint``; each router connects a DEALER socket
     per model replica and every answer goes back on the connection its command
     came from (no connection from the model to the router: fine behind NAT and
-    Kubernetes services).  ``run`` submits the PeerReq with a sink that streams
-    the segment's responses back; ``release`` frees the request's state (fire
-    and forget); ``ping``, ``stats`` and ``configure`` answer one ``result``
-    (``configure`` takes the keyword arguments of ``Subserver.reconfigure`` or,
-    when ``configure_fn`` is given, whatever it accepts; ``events`` is answered
-    by ``events_fn``).  ``ping`` answers
-    ``{"pid", "instance", "model"}``: ``instance`` identifies this server object,
+    Kubernetes services).  Each command's op goes to the model's
+    :class:`~tokenrouter.engine.op_dispatch.OpDispatcher` (the one its Triton
+    interface uses too), whose events go back tagged with the command's ``seg``;
+    ``release`` is fire and forget (its answer is not sent).  ``ping`` answers
+    ``{"pid", "instance", "model"}``: ``instance`` identifies the dispatcher,
     so a router can tell a restarted model from one that was only slow.
 
     Requests of a router that went away are released: on ``ipc://`` endpoints
@@ -55,14 +51,9 @@ class PeerServer:
     every half second) for ``router_timeout_s`` seconds.
 
     Args:
-        subserver: the model's subserver.
+        dispatcher: the model's :class:`~tokenrouter.engine.op_dispatch.OpDispatcher`.
         endpoint: ZeroMQ endpoint to bind (default: a fresh ``ipc://`` path);
             ``tcp://0.0.0.0:PORT`` for routers on other hosts.
-        configure_fn: optional callable(settings dict) applying a ``configure`` command.
-        events_fn: optional callable(settings) → result dict answering an ``events``
-            command (the model's recent routing events, see
-            :class:`tokenrouter.engine.event_ring.EventRing`); without it ``events`` is an
-            unknown op.
         curve: :class:`~tokenrouter.routing.curve.CurveServer` settings (TCP only), or None.
         router_timeout_s: TCP: seconds of silence after which a router's requests are released.
 
@@ -70,17 +61,12 @@ class PeerServer:
         zmq.ZMQError: the endpoint cannot be bound.
     """
 
-    def __init__(self, subserver, endpoint: Optional[str] = None,
-                 configure_fn: Optional[Callable[[Dict[str, Any]], None]] = None,
-                 events_fn: Optional[Callable[[Any], Dict[str, Any]]] = None,
-                 curve=None, router_timeout_s: float = 10.0):
-        self.subserver = subserver
-        self._events = events_fn
+    def __init__(self, dispatcher, endpoint: Optional[str] = None, curve=None, router_timeout_s: float = 10.0):
+        self.dispatcher = dispatcher
+        self.subserver = subserver = dispatcher.subserver
         self.endpoint = endpoint or default_endpoint(subserver.name)
-        self.instance = uuid.uuid4().hex
         self.router_timeout_s = float(router_timeout_s)
         self._tcp = is_tcp(self.endpoint)
-        self._configure = configure_fn or (lambda s: subserver.reconfigure(**s))
         self._curve = curve
         self._ctx = zmq.Context()  # its own: the ZAP handler (CURVE) belongs to a context
         self._sock = make_socket(self._ctx, zmq.ROUTER, self._tcp)
@@ -109,16 +95,23 @@ class PeerServer:
                                        daemon=True)
         self._watch.start()
 
-    # -------------------------------------------------------------- sending
-    def _reply(self, ident: bytes, meta: Dict[str, Any], tokens=()) -> None:
-        self._shared.send([ident, meta_frame(meta), tokens_frame(list(tokens))])
+    @property
+    def instance(self) -> str:
+        """The id ``ping`` answers (the dispatcher's)."""
+        return self.dispatcher.instance
 
-    def _sink(self, ident: bytes, seg: int, rid: str):
-        def sink(kind: str, tokens: List[int], info: Dict[str, Any]) -> None:
-            if kind in ("finished", "cancelled", "error"):
+    # -------------------------------------------------------------- sending
+    def _reply(self, ident: bytes, seg: int, rid: str):
+        """The reply of one command: its events go back tagged with ``seg`` (any thread)."""
+        def reply(event: ModelEvent, tokens: Sequence[int] = ()) -> None:
+            if rid and isinstance(event, (Finished, Cancelled, Failed)):
                 self._forget(ident, rid)  # the request's state is gone on this model
-            self._reply(ident, {"seg": seg, "kind": kind, **info}, tokens)
-        return sink
+            self._shared.send([ident, *event_frames(seg, event, tokens)])
+        return reply
+
+    @staticmethod
+    def _unanswered(event: ModelEvent, tokens: Sequence[int] = ()) -> None:
+        """The reply of a ``release``: fire and forget."""
 
     # ------------------------------------------------------------- I/O loop
     def _loop(self) -> None:
@@ -133,38 +126,17 @@ class PeerServer:
                 self._handshakes.handle()
 
     def _handle(self, frames: List[bytes]) -> None:
-        from ...protocol import PeerReq
-
-        ident, meta = frames[0], json.loads(frames[1])
-        op, seg = meta.get("op"), int(meta.get("seg", 0))
-        self._heard(ident, meta)
-        if op == "ping":
-            self._reply(ident, {"seg": seg, "kind": "result", "result": {
-                "pid": os.getpid(), "instance": self.instance, "model": self.subserver.name}})
-            return
-        if op == "release":
-            self._forget(ident, str(meta["rid"]))
-            self.subserver.release(str(meta["rid"]))
-            return
-        try:
-            if op == "run":
-                pr = PeerReq.from_wire(meta.get("header") or "{}", tokens_list(frames[2] if len(frames) > 2 else b""))
-                if meta.get("rid") and pr.rid != meta["rid"]:
-                    pr.rid = str(meta["rid"])
-                self._remember(ident, pr.rid)
-                self.subserver.submit(pr, self._sink(ident, seg, pr.rid))
-            elif op == "stats":
-                self._reply(ident, {"seg": seg, "kind": "result", "result": self.subserver.stats()})
-            elif op == "configure":
-                self._configure(meta.get("settings") or {})
-                self._reply(ident, {"seg": seg, "kind": "result", "result": {}})
-            elif op == "events" and self._events is not None:
-                self._reply(ident, {"seg": seg, "kind": "result", "result": self._events(meta.get("settings"))})
-            else:
-                ops = "run, release, ping, stats, configure" + (", events" if self._events is not None else "")
-                raise ValueError(f"unknown op {op!r}; expected {ops}")
-        except Exception as e:  # noqa: BLE001 - answer this command only
-            self._reply(ident, {"seg": seg, "kind": "error", "message": f"model {self.subserver.name}: {e}"})
+        ident = frames[0]
+        envelope, wire = op_of_frames(frames[1:])
+        self._heard(ident, envelope)
+        if wire.op == "release":
+            self._forget(ident, wire.rid)
+            reply = self._unanswered
+        else:
+            if wire.op == "run" and wire.rid:
+                self._remember(ident, wire.rid)
+            reply = self._reply(ident, int(envelope.get("seg", 0)), wire.rid if wire.op == "run" else "")
+        self.dispatcher.handle([(wire, reply)])
 
     # ------------------------------------------------ routers that went away
     def _heard(self, ident: bytes, meta: Dict[str, Any]) -> None:

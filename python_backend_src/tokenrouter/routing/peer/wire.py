@@ -1,9 +1,18 @@
 """Wire framing of the channel and the socket every thread may send on.
 
-A message is ``[meta JSON, tokens]`` (the model's ROUTER socket adds/strips the connection
-identity frame): :func:`meta_frame` compact JSON, :func:`tokens_frame` / :func:`tokens_list`
-int64 little-endian token ids.  :class:`SharedSocket` lets any thread send while one owner
-thread receives (ZeroMQ sockets are not thread-safe).
+The values are those of :mod:`tokenrouter.protocol`'s codec (the model's Triton interface
+carries the same ones as tensors); the model's ROUTER socket adds/strips the connection
+identity frame in front:
+
+* a command, router → model (:func:`op_frames` / :func:`op_of_frames`):
+  ``[envelope JSON, op, request id, payload, tokens]``, the envelope
+  ``{"seg", "router_pid", "router_start"}``, then :class:`~tokenrouter.protocol.OpWire`'s values;
+* a response, model → router (:func:`event_frames` / :func:`event_of_frames`):
+  ``[seg, event JSON, tokens]``.
+
+Tokens are int64 little-endian (:func:`tokens_frame` / :func:`tokens_list`).
+:class:`SharedSocket` lets any thread send while one owner thread receives (ZeroMQ sockets are
+not thread-safe).
 """
 
 from __future__ import annotations
@@ -12,14 +21,17 @@ import json
 import logging
 import os
 import threading
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import zmq
 
+from ...protocol import ModelEvent, OpWire, decode_event, encode_event
+
 logger = logging.getLogger("tokenrouter.routing.peer")
 
-__all__ = ["tokens_frame", "tokens_list", "meta_frame", "make_socket", "SharedSocket", "handle_all"]
+__all__ = ["tokens_frame", "tokens_list", "op_frames", "op_of_frames", "event_frames", "event_of_frames",
+           "make_socket", "SharedSocket", "handle_all"]
 
 
 def tokens_frame(tokens) -> bytes:
@@ -32,9 +44,40 @@ def tokens_list(frame: bytes) -> List[int]:
     return np.frombuffer(frame, dtype="<i8").tolist() if frame else []
 
 
-def meta_frame(meta: Dict[str, Any]) -> bytes:
-    """A message's meta dict as one frame: compact JSON."""
-    return json.dumps(meta, separators=(",", ":")).encode()
+def op_frames(envelope: Dict[str, Any], wire: OpWire) -> List[bytes]:
+    """A command's frames: the envelope (``seg``, the router's identity) and the op's wire values."""
+    return [json.dumps(envelope, separators=(",", ":")).encode(), wire.op.encode(), wire.rid.encode(),
+            wire.payload.encode(), tokens_frame(wire.tokens)]
+
+
+def op_of_frames(frames: Sequence[bytes]) -> Tuple[Dict[str, Any], OpWire]:
+    """Inverse of :func:`op_frames` (without the identity frame).
+
+    Raises:
+        ValueError: not the frames of a command.
+    """
+    if len(frames) != 5:
+        raise ValueError(f"a command has 5 frames, got {len(frames)}")
+    envelope = json.loads(frames[0])
+    if not isinstance(envelope, dict):
+        raise ValueError("a command's envelope must be a JSON object")
+    return envelope, OpWire(frames[1].decode(), frames[2].decode(), frames[3].decode(), tokens_list(frames[4]))
+
+
+def event_frames(seg: int, event: ModelEvent, tokens: Sequence[int] = ()) -> List[bytes]:
+    """A response's frames: the segment id, the event, the token ids it carries."""
+    return [str(int(seg)).encode(), encode_event(event), tokens_frame(list(tokens))]
+
+
+def event_of_frames(frames: Sequence[bytes]) -> Tuple[int, List[int], ModelEvent]:
+    """Inverse of :func:`event_frames`: ``(seg, token ids, event)``.
+
+    Raises:
+        ValueError: not the frames of a response, or an event that does not decode.
+    """
+    if len(frames) != 3:
+        raise ValueError(f"a response has 3 frames, got {len(frames)}")
+    return int(frames[0]), tokens_list(frames[2]), decode_event(frames[1])
 
 
 def make_socket(ctx, kind: int, tcp: bool = False):
