@@ -308,3 +308,53 @@ def test_cpu_rotary_embedding_is_bit_identical_to_sglangs(engine, dtype):
     q_got, k_got = cpu_rope._rope_forward_native(rope, positions, q, k, offsets)
     q_ref, k_ref = cpu_rope._orig_rope_native(rope, positions, q, k, offsets)
     assert torch.equal(q_got, q_ref) and torch.equal(k_got, k_ref)
+
+
+def _heap_in_use_mib() -> float:
+    """glibc's bytes in use by malloc (mallinfo2's uordblks), in MiB"""
+    import ctypes
+
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    return libc.mallinfo2().uordblks / 2**20
+
+
+def test_cpu_kernel_caches_are_bounded(engine):
+    """Each new step shape adds an entry to PyTorch's and oneDNN's primitive caches; bounded
+    (cpu_kernel_cache_entries), a stream of new prompt lengths stops growing the heap."""
+    from tokenrouter.engine.cpu import kernel_caches
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU kernel caches")
+    entries = engine.config.cpu_kernel_cache_entries
+    assert entries > 0
+    for var in kernel_caches.CACHE_ENV:  # set before the engine's first oneDNN call (or by the user)
+        assert os.environ.get(var), var
+    # ~5 linear shapes per step length: 2 x entries / 5 lengths fill the caches, as many more must not grow them
+    n = 2 * entries // 5
+    assert kernel_caches.warm_kernel_caches(engine, n) == n
+    before = _heap_in_use_mib()
+    for m in range(n + 1, 2 * n + 1):
+        s = engine.add(f"shape{m}", [100 + i % 500 for i in range(m)])
+        engine.forward([s])
+        engine.release(s)
+    grown = _heap_in_use_mib() - before
+    # unbounded (the libraries' 1,024 each) this grows by ~0.5 MiB a length here: ~100 MiB
+    assert grown < 25, f"the heap grew by {grown:.0f} MiB over {n} new step shapes"
+    assert engine.kv_tokens_in_use() == 0 and engine.rows_in_use() == 0
+
+
+def test_bound_kernel_caches_keeps_the_users_setting(monkeypatch):
+    from tokenrouter.engine.cpu.kernel_caches import CACHE_ENV, bound_kernel_caches
+
+    monkeypatch.setenv(CACHE_ENV[0], "64")
+    monkeypatch.delenv(CACHE_ENV[1], raising=False)
+    assert bound_kernel_caches(128) == {CACHE_ENV[0]: "64", CACHE_ENV[1]: "128"}
+    monkeypatch.delenv(CACHE_ENV[1])
+    assert CACHE_ENV[1] not in bound_kernel_caches(0)
+    with pytest.raises(ValueError, match="cpu_kernel_cache_entries"):
+        bound_kernel_caches(-1)

@@ -17,9 +17,19 @@ from tokenrouter.tools.soak import run_soak
 
 def test_sustained_handoff_load(triton_server):
     rep = run_soak(triton_server.grpc_url, float(os.environ.get("TOKENROUTER_SOAK_SECONDS", "30")),
-                   concurrency=8, thresholds=(0.1, 0.2, 0.3), request_timeout_s=240, seed=1)
+                   concurrency=8, thresholds=(0.1, 0.2, 0.3), request_timeout_s=240, seed=1,
+                   disconnect_fraction=0.1, long_fraction=0.2, max_tokens=(4, 64),
+                   server_pid=triton_server.process.pid, rss_every_s=2.0)
     assert rep["passed"], rep["problems"]
     kinds = rep["outcomes"]
+    # clients that went away without cancelling were cleaned up like cancels (KV back to 0 above)
+    assert kinds.get("disconnect", {}).get("cancelled", 0) > 0, kinds
+    # every process of the server was sampled throughout, none restarted
+    summary = rep["rss"]["summary"]
+    assert {"tritonserver", "slm_0_0", "llm_0_0", "token_router_0_0"} <= set(summary), summary
+    for name, d in summary.items():
+        assert d["restarts"] == 0 and d["samples"] >= 5 and d["end_mb"] > 0, (name, d)
+    assert summary["llm_0_0"]["end_mb"] > 100, summary  # a stub holding a model, not a stray process
     # the run really exercised what it claims: handoffs, cancellations and rejections happened
     assert rep["handoffs"] > 50, rep
     assert kinds.get("cancel", {}).get("cancelled", 0) > 0, kinds

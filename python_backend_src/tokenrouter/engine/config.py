@@ -73,6 +73,14 @@ class EngineConfig:
         "reuse KV across requests (:mod:`tokenrouter.engine.prefix_cache`): a new sequence extends only "
         "past its longest cached prefix, and a released one's tokens stay cached until the pool needs "
         "the slots (LRU eviction of unreferenced prefixes)"))
+    cpu_kernel_cache_entries: int = param(256, unit="entries", ge=0, doc=(
+        "CPU only: capacity of PyTorch's and oneDNN's per-shape primitive caches "
+        "(:func:`tokenrouter.engine.cpu.kernel_caches.bound_kernel_caches`); each new step shape adds an "
+        "entry, so with the libraries' default (1,024 each; 0 here) a server's memory creeps up for hours"))
+    kernel_cache_warmup_tokens: int = param(0, unit="tokens", ge=0, doc=(
+        "CPU only: at load, one step of each length 1..n tokens fills those caches, so that a model's "
+        "memory when it turns ready is the memory it keeps (load time grows by about n short steps); "
+        "0: no warm-up"))
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -78,12 +78,18 @@ class SGLangEngine(KVSlots):
         cpu.install()  # before SGLang's first import; no-op with a GPU
         if config.torch_threads > 0:
             torch.set_num_threads(config.torch_threads)
+        cpu.bound_kernel_caches(config.cpu_kernel_cache_entries)  # before the first oneDNN primitive
         self._load()
         self._running = None  # ScheduleBatch of sequences that decoded last step
         self._running_seqs: List[Sequence] = []
         self._position_index = None  # see _install_position_logits
         self._position_rows = None
         self._position_logits: Dict[int, torch.Tensor] = {}  # id(seq) -> [m, V] of the last extend
+        if self.device != "cuda" and config.kernel_cache_warmup_tokens > 0:
+            t0 = time.perf_counter()
+            n = cpu.warm_kernel_caches(self, min(config.kernel_cache_warmup_tokens, self.kv_capacity - 1))
+            logger.info("engine %s: kernel caches filled with %d steps in %.1f s", config.model_path, n,
+                        time.perf_counter() - t0)
 
     # ------------------------------------------------------------------ load
     def _load(self) -> None:

@@ -50,7 +50,7 @@ import time
 from collections import Counter
 from typing import Any, Dict, List, Optional, Sequence
 
-from . import GRPC_URL_HELP, default_grpc_url
+from . import GRPC_URL_HELP, default_grpc_url, memwatch
 
 __all__ = ["run_soak", "main", "find_stub", "stub_rss_mb", "HOSTILE"]
 
@@ -72,6 +72,20 @@ PROMPTS = [
 ]
 
 
+#: a paragraph repeated to make long prompts (``--long-fraction``): about 60 tokens a copy
+_CONTEXT = ("The report below describes a small town's water system: two reservoirs, a treatment plant "
+            "built in 1962, eleven pumping stations and about 140 km of pipes, some of them cast iron. ")
+
+
+def _prompt(rng: random.Random, long_fraction: float) -> str:
+    """A short prompt, or with probability ``long_fraction`` one of 2-30 context paragraphs (~120-1,800
+    tokens) followed by a question."""
+    q = rng.choice(PROMPTS)
+    if rng.random() < long_fraction:
+        return _CONTEXT * rng.randint(2, 30) + "\n" + q
+    return q
+
+
 def _hostile(rng: random.Random, mib: float):
     """(name, prompt bytes, sampling_parameters text) of one hostile input (see :data:`HOSTILE`)."""
     name = rng.choice(sorted(HOSTILE))
@@ -90,12 +104,13 @@ def _hostile(rng: random.Random, mib: float):
 
 
 def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s: float,
-         thresholds: Sequence[float], hostile_mib: float = 32.0) -> Dict[str, Any]:
+         thresholds: Sequence[float], hostile_mib: float = 32.0, max_tokens: Sequence[int] = (4, 48),
+         long_fraction: float = 0.0) -> Dict[str, Any]:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
-    prompt = rng.choice(PROMPTS)
-    sampling: Dict[str, Any] = {"max_tokens": rng.randint(4, 48), "temperature": rng.choice([0.0, 0.8]),
+    prompt = _prompt(rng, long_fraction)
+    sampling: Dict[str, Any] = {"max_tokens": rng.randint(*max_tokens), "temperature": rng.choice([0.0, 0.8]),
                                 "seed": rng.randint(0, 2**31), "ignore_eos": rng.random() < 0.5}
     if thresholds:
         sampling["routing_threshold"] = rng.choice(list(thresholds))
@@ -118,7 +133,7 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
         x = grpcclient.InferInput(name, list(arr.shape), dt)
         x.set_data_from_numpy(arr)
         ins.append(x)
-    cancel_after = rng.randint(1, 6) if kind == "cancel" else None
+    cancel_after = rng.randint(1, 6) if kind in ("cancel", "disconnect") else None
     q: "queue.Queue" = queue.Queue()
     c = grpcclient.InferenceServerClient(url)
     t0 = time.perf_counter()
@@ -140,7 +155,10 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
                 return out
             chunks += 1
             if cancel_after is not None and chunks >= cancel_after:
-                c.stop_stream(cancel_requests=True)
+                if kind == "disconnect":  # the client goes away: its channel closes, no cancel sent
+                    c.close()
+                else:
+                    c.stop_stream(cancel_requests=True)
                 out["outcome"] = "cancelled"
                 return out
             p = result.get_response().parameters.get("triton_final_response")
@@ -170,46 +188,24 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
 def find_stub(server_pid: int, model: str) -> Optional[int]:
     """pid of the live Triton Python stub of ``model`` (instance ``<model>_0_0``) whose
     parent is ``server_pid``, or None."""
-    inst = f"{model}_0_0".encode()
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            with open(f"/proc/{d}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2:].split()
-        if argv and argv[0].endswith(b"triton_python_backend_stub") and inst in argv \
-                and fields[0] != b"Z" and int(fields[1]) == int(server_pid):
-            return int(d)
-    return None
+    return memwatch.server_processes(server_pid).get(f"{model}_0_0")
 
 
 def stub_rss_mb(server_pid: int, models: Sequence[str]) -> Dict[str, float]:
     """Resident memory (MiB) of each model's stub under ``server_pid`` (absent when not running)."""
-    out = {}
-    for m in models:
-        pid = find_stub(server_pid, m)
-        if pid is None:
-            continue
-        try:
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        out[m] = round(int(line.split()[1]) / 1024, 1)
-        except OSError:
-            pass
-    return out
+    procs = memwatch.server_processes(server_pid)
+    rss = {m: memwatch.rss_mb(procs[f"{m}_0_0"]) for m in models if f"{m}_0_0" in procs}
+    return {m: r for m, r in rss.items() if r is not None}
 
 
-def _killer(server_pid: int, model: str, every_s: float, stop: threading.Event, rng: random.Random,
-            log: List[Dict[str, Any]], progress: bool) -> None:
-    """SIGKILL ``model``'s stub at exponential random intervals of mean ``every_s`` seconds."""
+def _killer(server_pid: int, models: Sequence[str], every_s: float, periodic: bool, stop: threading.Event,
+            rng: random.Random, log: List[Dict[str, Any]], progress: bool) -> None:
+    """SIGKILL the stubs of ``models`` in turn, every ``every_s`` seconds (``periodic``) or at
+    exponential random intervals of that mean."""
     t0 = time.monotonic()
-    while not stop.wait(rng.expovariate(1.0 / every_s)):
+    turn = 0
+    while not stop.wait(every_s if periodic else rng.expovariate(1.0 / every_s)):
+        model = models[turn % len(models)]
         pid = find_stub(server_pid, model)
         if pid is None:  # still restarting from the previous kill
             continue
@@ -217,6 +213,7 @@ def _killer(server_pid: int, model: str, every_s: float, stop: threading.Event, 
             os.kill(pid, signal.SIGKILL)
         except OSError:
             continue
+        turn += 1
         log.append({"t_s": round(time.monotonic() - t0, 1), "model": model, "pid": pid})
         if progress:
             print(f"  killed the stub of {model} (pid {pid})", flush=True)
@@ -227,7 +224,10 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
              plain_fraction: float = 0.2, thresholds: Sequence[float] = (0.1, 0.2, 0.3),
              request_timeout_s: float = 300.0, seed: int = 0, progress: bool = False,
              kill_stub: str = "", kill_every_s: float = 60.0, server_pid: int = 0,
-             hostile_fraction: float = 0.0, hostile_mib: float = 32.0) -> Dict[str, Any]:
+             hostile_fraction: float = 0.0, hostile_mib: float = 32.0, disconnect_fraction: float = 0.0,
+             max_tokens: Sequence[int] = (4, 48), long_fraction: float = 0.0, kill_periodic: bool = False,
+             rss_every_s: float = 0.0, warmup_s: float = 0.0, window_s: float = 2400.0,
+             rss_tolerance_mb: float = 0.0) -> Dict[str, Any]:
     """Run the soak and return the report (see module docstring).
 
     Args:
@@ -235,23 +235,35 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         seconds: how long clients keep sending new requests (s).
         concurrency: client threads, each with one request in flight.
         models: LLM models whose KV must return to zero.
-        cancel_fraction, bad_fraction, plain_fraction: shares of cancelled
-            streams, malformed requests and non-streamed requests.
+        cancel_fraction, bad_fraction, plain_fraction, disconnect_fraction: shares of cancelled
+            streams, malformed requests, non-streamed requests and streams whose client closes
+            its connection mid-way without cancelling.
+        max_tokens: (low, high) of the uniformly drawn ``max_tokens`` of a valid request.
+        long_fraction: share of prompts of 2-30 paragraphs (~120-1,800 tokens) instead of one line.
         thresholds: routing thresholds drawn per request (``routing_threshold``);
             empty to use the server's.
         request_timeout_s: a request without a final answer after this long is "hung".
-        kill_stub: a model whose stub is SIGKILLed at random intervals ("" = none).
-        kill_every_s: mean seconds between two kills.
+        kill_stub: models (comma-separated) whose stubs are SIGKILLed in turn ("" = none).
+        kill_every_s: seconds between two kills (the mean of random intervals, or the period
+            with ``kill_periodic``).
+        kill_periodic: kill every ``kill_every_s`` seconds exactly instead of at random.
         server_pid: the tritonserver's pid (required with ``kill_stub``; with it the stubs'
             memory is reported, and without ``kill_stub`` a stub restarted during the run fails it).
         hostile_fraction: share of oversized / hostile requests (:data:`HOSTILE`).
         hostile_mib: size of the oversized prompt (MiB).
+        rss_every_s: with ``server_pid``, sample every process's resident memory this often (s;
+            0 = only at the start and the end) into ``rss`` (:mod:`tokenrouter.tools.memwatch`).
+        warmup_s, window_s: the samples before ``warmup_s`` are warm-up; the flatness figure is
+            each process's range over the last ``window_s`` seconds.
+        rss_tolerance_mb: a process whose range over that window exceeds this (MiB) fails the
+            soak (0 = report only).
 
     Returns:
         dict: ``passed`` (bool), ``problems`` (list of str), ``outcomes`` per
         kind, ``requests``, ``handoffs``, ``output_tokens``, ``seconds``,
         ``final_stats`` per model; with ``kill_stub`` also ``kills``; with ``server_pid``
-        ``stub_rss_mb`` (``start`` / ``end`` per model); with ``hostile_fraction``
+        ``stub_rss_mb`` (``start`` / ``end`` per model) and ``rss`` (``samples`` and
+        :func:`~tokenrouter.tools.memwatch.summarize`'s ``summary``); with ``hostile_fraction``
         ``hostile`` (outcomes per hostile input).
 
     Raises:
@@ -262,11 +274,14 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     kills: List[Dict[str, Any]] = []
     rss_start: Dict[str, float] = {}
     kill_stop = threading.Event()
-    if kill_stub:
-        if not server_pid or find_stub(server_pid, kill_stub) is None:
-            raise ValueError(f"no stub of model {kill_stub!r} under tritonserver pid {server_pid}")
-        threading.Thread(target=_killer, args=(server_pid, kill_stub, kill_every_s, kill_stop,
+    kill_models = [m for m in kill_stub.split(",") if m]
+    for m in kill_models:
+        if not server_pid or find_stub(server_pid, m) is None:
+            raise ValueError(f"no stub of model {m!r} under tritonserver pid {server_pid}")
+    if kill_models:
+        threading.Thread(target=_killer, args=(server_pid, kill_models, kill_every_s, kill_periodic, kill_stop,
                                                random.Random(seed + 7), kills, progress), daemon=True).start()
+    sampler = memwatch.RSSSampler(server_pid, rss_every_s or 1e9).start() if server_pid else None
 
     pids_start: Dict[str, Optional[int]] = {}
     if server_pid:
@@ -280,11 +295,17 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         rng = random.Random(seed * 1000 + i)
         while time.monotonic() < stop_at:
             x = rng.random()
-            kind = ("bad" if x < bad_fraction else "cancel" if x < bad_fraction + cancel_fraction
-                    else "plain" if x < bad_fraction + cancel_fraction + plain_fraction else "stream")
+            edges = [("bad", bad_fraction), ("cancel", cancel_fraction), ("disconnect", disconnect_fraction),
+                     ("plain", plain_fraction)]
+            kind = "stream"
+            for k, share in edges:
+                if x < share:
+                    kind = k
+                    break
+                x -= share
             if hostile_fraction and rng.random() < hostile_fraction:
                 kind = "hostile"
-            r = _one(url, router, rng, kind, request_timeout_s, thresholds, hostile_mib)
+            r = _one(url, router, rng, kind, request_timeout_s, thresholds, hostile_mib, max_tokens, long_fraction)
             with lock:
                 records.append(r)
                 n = len(records)
@@ -317,7 +338,7 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         elif r["kind"] in ("stream", "plain") and r["outcome"] != "ok" and not (
                 kill_stub and r["outcome"] == "error" and _down_error(r["error"])):
             problems.append(f"a valid {r['kind']} request failed: {r['outcome']} {r['error'][:200]}")
-        elif r["kind"] == "cancel" and r["outcome"] not in ("cancelled", "ok", "ok-no-summary") and not (
+        elif r["kind"] in ("cancel", "disconnect") and r["outcome"] not in ("cancelled", "ok", "ok-no-summary") and not (
                 kill_stub and r["outcome"] == "error" and _down_error(r["error"])):
             problems.append(f"a cancelled stream ended badly: {r['outcome']} {r['error'][:200]}")
     final: Dict[str, Any] = {}
@@ -349,6 +370,17 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     extra: Dict[str, Any] = {}
     if server_pid:
         extra["stub_rss_mb"] = {"start": rss_start, "end": stub_rss_mb(server_pid, [*models, router])}
+        samples = sampler.stop()
+        summary = memwatch.summarize(samples, warmup_s, window_s, settle_s=max(warmup_s, 60.0))
+        extra["rss"] = {"every_s": rss_every_s, "warmup_s": warmup_s, "window_s": window_s, "summary": summary,
+                        "summary_anon": memwatch.summarize(samples, warmup_s, window_s, max(warmup_s, 60.0),
+                                                           key="anon_mb"),
+                        "samples": samples}
+        for name, d in summary.items():
+            if rss_tolerance_mb and d.get("window_range_mb", 0.0) > rss_tolerance_mb:
+                problems.append(f"{name} grew: its resident memory ranged over {d['window_range_mb']} MiB in "
+                                f"the last {window_s:.0f} s (min {d['window_min_mb']}, max {d['window_max_mb']}; "
+                                f"the tolerance is {rss_tolerance_mb} MiB)")
         if not kill_stub:
             restarted = [m for m, pid in pids_start.items() if find_stub(server_pid, m) != pid]
             if restarted:
@@ -391,9 +423,26 @@ def main(argv=None) -> int:
                     help="routing thresholds drawn per request ('' = the server's)")
     ap.add_argument("--request-timeout", type=float, default=300, help="seconds before a request counts as hung")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--kill-stub", default="", metavar="MODEL",
-                    help="SIGKILL this model's Triton stub at random intervals (needs --server-pid)")
-    ap.add_argument("--kill-every", type=float, default=60.0, help="mean seconds between two kills")
+    ap.add_argument("--disconnect-fraction", type=float, default=0.0,
+                    help="share of streams whose client closes its connection mid-way without cancelling")
+    ap.add_argument("--max-tokens", default="4,48", metavar="LOW,HIGH",
+                    help="range of a valid request's max_tokens (drawn uniformly)")
+    ap.add_argument("--long-fraction", type=float, default=0.0,
+                    help="share of long prompts (2-30 paragraphs, ~120-1,800 tokens) instead of one line")
+    ap.add_argument("--kill-stub", default="", metavar="MODEL[,MODEL...]",
+                    help="SIGKILL these models' Triton stubs in turn (needs --server-pid)")
+    ap.add_argument("--kill-every", type=float, default=60.0,
+                    help="seconds between two kills: the mean of random intervals, or the period with --kill-periodic")
+    ap.add_argument("--kill-periodic", action="store_true", help="kill every --kill-every seconds exactly")
+    ap.add_argument("--rss-every", type=float, default=0.0,
+                    help="with --server-pid: sample every process's resident memory this often (s; 0 = start and end)")
+    ap.add_argument("--warmup", type=float, default=0.0,
+                    help="seconds of warm-up left out of the memory window and slope")
+    ap.add_argument("--window", type=float, default=2400.0,
+                    help="final window (s) over which each process's memory range is the flatness figure")
+    ap.add_argument("--rss-tolerance-mb", type=float, default=0.0,
+                    help="fail when a process's memory ranges over more than this in the window (0 = report only)")
+    ap.add_argument("--out", default="", metavar="FILE", help="also write the report (with the memory samples) here")
     ap.add_argument("--server-pid", type=int, default=0,
                     help="pid of the tritonserver (for --kill-stub; with it the stubs' memory is reported)")
     ap.add_argument("--hostile-fraction", type=float, default=0.0,
@@ -403,13 +452,28 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.kill_stub and not a.server_pid:
         ap.error("--kill-stub needs --server-pid (the tritonserver whose stub is killed)")
+    try:
+        lo, hi = (int(x) for x in a.max_tokens.split(","))
+    except ValueError:
+        ap.error(f"--max-tokens takes LOW,HIGH (two integers), got {a.max_tokens!r}")
+    if not 1 <= lo <= hi:
+        ap.error(f"--max-tokens needs 1 <= LOW <= HIGH, got {a.max_tokens!r}")
     rep = run_soak(a.url, a.seconds, a.concurrency, models=[m for m in a.models.split(",") if m],
                    router=a.router, cancel_fraction=a.cancel_fraction, bad_fraction=a.bad_fraction,
                    thresholds=[float(x) for x in a.thresholds.split(",") if x.strip()],
                    request_timeout_s=a.request_timeout, seed=a.seed, progress=True,
                    kill_stub=a.kill_stub, kill_every_s=a.kill_every, server_pid=a.server_pid,
-                   hostile_fraction=a.hostile_fraction, hostile_mib=a.hostile_mib)
-    print(json.dumps(rep, indent=2))
+                   hostile_fraction=a.hostile_fraction, hostile_mib=a.hostile_mib,
+                   disconnect_fraction=a.disconnect_fraction, max_tokens=(lo, hi), long_fraction=a.long_fraction,
+                   kill_periodic=a.kill_periodic, rss_every_s=a.rss_every, warmup_s=a.warmup, window_s=a.window,
+                   rss_tolerance_mb=a.rss_tolerance_mb)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rep, f, indent=1)
+    brief = {k: v for k, v in rep.items() if k != "rss"}
+    if "rss" in rep:
+        brief["rss_summary"] = rep["rss"]["summary"]
+    print(json.dumps(brief, indent=2))
     print("soak: PASSED" if rep["passed"] else "soak: FAILED")
     return 0 if rep["passed"] else 1
 

@@ -9,10 +9,14 @@
   computes only the new tokens' rows and attends decode rows and short resumes in padded
   batches instead of a Python loop over the requests; it also installs :mod:`.rope`, the
   rotary embedding that takes each step's cos/sin once.
+* :mod:`.kernel_caches` (:func:`bound_kernel_caches`, :func:`warm_kernel_caches`): PyTorch's and
+  oneDNN's per-shape primitive caches bounded, and optionally filled at load.
 """
 
 from .attention import patch_torch_native_extend
+from .kernel_caches import bound_kernel_caches, warm_kernel_caches
 from .linear import prepack_linear_weights
 from .shims import cuda_available, install
 
-__all__ = ["install", "cuda_available", "patch_torch_native_extend", "prepack_linear_weights"]
+__all__ = ["install", "cuda_available", "patch_torch_native_extend", "prepack_linear_weights",
+           "bound_kernel_caches", "warm_kernel_caches"]

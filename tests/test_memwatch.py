@@ -1,0 +1,65 @@
+"""The soak's memory figures (tokenrouter.tools.memwatch): process discovery and the summary."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tokenrouter.tools import memwatch
+
+
+def _samples(series):
+    """samples of one process "m" from (t_s, MiB, pid) triples"""
+    return [{"t_s": t, "rss_mb": {"m": r}, "anon_mb": {"m": r - 100}, "pid": {"m": p}} for t, r, p in series]
+
+
+def test_summary_leaves_out_warmup_and_restarts():
+    # grows during warm-up (0-100 s), flat after, then a restart at 300 s reloads from 10 MiB
+    s = _samples([(0, 100, 1), (50, 400, 1), (100, 500, 1), (200, 505, 1), (300, 10, 2), (350, 480, 2),
+                  (450, 500, 2), (550, 502, 2)])
+    d = memwatch.summarize(s, warmup_s=100, window_s=1000, settle_s=100)["m"]
+    assert d["restarts"] == 1 and d["samples"] == 8
+    assert d["start_mb"] == 100 and d["end_mb"] == 502 and d["after_warmup_mb"] == 500
+    # 300 s and 350 s are within 100 s of the restart: left out
+    assert (d["window_min_mb"], d["window_max_mb"], d["window_range_mb"]) == (500, 505, 5)
+    anon = memwatch.summarize(s, warmup_s=100, window_s=1000, settle_s=100, key="anon_mb")["m"]
+    assert anon["window_max_mb"] == 405
+
+
+def test_slope_is_per_hour_and_window_is_the_tail():
+    s = _samples([(t, 1000 + t / 36, 7) for t in range(0, 3601, 60)])  # +100 MiB an hour
+    d = memwatch.summarize(s, warmup_s=0, window_s=600)["m"]
+    assert d["slope_mb_per_h"] == pytest.approx(100, abs=0.5)
+    assert d["window_range_mb"] == pytest.approx(600 / 36, abs=0.2)
+
+
+def test_processes_of_a_server_and_their_memory(tmp_path):
+    # a fake server: a parent whose child runs under the stub's program name with an instance argument
+    stub = tmp_path / "triton_python_backend_stub"
+    stub.symlink_to(os.path.realpath(sys.executable))
+    child = [str(stub), "-c", "import time; time.sleep(60)", "llm_0_0"]
+    parent = subprocess.Popen([sys.executable, "-c",
+                               f"import subprocess,sys; p=subprocess.Popen({child!r}); sys.stdin.read(); p.kill()"],
+                              stdin=subprocess.PIPE)
+    try:
+        for _ in range(100):
+            procs = memwatch.server_processes(parent.pid)
+            if "llm_0_0" in procs:
+                break
+            time.sleep(0.05)
+        assert set(procs) == {"tritonserver", "llm_0_0"} and procs["tritonserver"] == parent.pid
+        assert memwatch.rss_mb(procs["llm_0_0"]) > 1 and memwatch.rss_mb(procs["llm_0_0"], "RssAnon") > 0
+        sampler = memwatch.RSSSampler(parent.pid, every_s=0.1).start()
+        time.sleep(0.35)
+        samples = sampler.stop()
+        assert len(samples) >= 3 and all("llm_0_0" in s["rss_mb"] for s in samples)
+    finally:
+        parent.stdin.close()
+        parent.wait(10)
+    assert memwatch.server_processes(parent.pid) == {} and memwatch.rss_mb(parent.pid) is None
+    with pytest.raises(ValueError):
+        memwatch.RSSSampler(os.getpid(), every_s=0)
