@@ -30,7 +30,7 @@ def load_tokenizer(path: str):
         from transformers import PreTrainedTokenizerFast
 
         return PreTrainedTokenizerFast.from_pretrained(path)
-    from .sglang_cpu_compat import install
+    from .cpu import install
 
     install()  # transformers' model imports load torchvision (a CUDA build here)
     from transformers import AutoTokenizer

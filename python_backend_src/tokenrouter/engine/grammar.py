@@ -128,15 +128,7 @@ def parse_guided(d: Dict[str, Any], max_bytes: int, max_depth: int, depth: Calla
     obj = d[key]
     where = f"{source}.{key}"
     if isinstance(obj, str):  # request parameters are scalars: the object as JSON text
-        if _text_bytes(obj) > max_bytes + 1024:
-            raise ValueError(f"{where} is {_text_bytes(obj)} bytes; the limit is {max_bytes} (max_grammar_bytes)")
-        if depth(obj) > max_depth:
-            raise ValueError(f"{where} is nested {depth(obj)} levels deep; the limit is {max_depth} "
-                             f"(max_schema_depth)")
-        try:
-            obj = json.loads(obj)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where} is not a JSON object: {e}") from None
+        obj = _load_json(obj, where, max_bytes + 1024, max_depth, depth)
     if not isinstance(obj, dict):
         raise ValueError(f"{where} must be an object with one of {[k for k in GUIDED_KINDS]}")
     unknown = sorted(set(obj) - set(GUIDED_KINDS) - set(_IGNORED))
@@ -149,6 +141,18 @@ def parse_guided(d: Dict[str, Any], max_bytes: int, max_depth: int, depth: Calla
     return _one(kind, obj[kind], f"{where}.{kind}", max_bytes, max_depth, depth)
 
 
+def _load_json(text: str, where: str, max_bytes: int, max_depth: int, depth: Callable[[str], int]) -> Any:
+    """``text`` parsed as JSON after its size and depth checks (ValueError naming ``where`` and the limit)."""
+    if _text_bytes(text) > max_bytes:
+        raise ValueError(f"{where} is {_text_bytes(text)} bytes; the limit is {max_bytes} (max_grammar_bytes)")
+    if depth(text) > max_depth:
+        raise ValueError(f"{where} is nested {depth(text)} levels deep; the limit is {max_depth} (max_schema_depth)")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where} is not valid JSON: {e}") from None
+
+
 def _one(kind: str, v: Any, where: str, max_bytes: int, max_depth: int, json_depth: Callable[[str], int]
          ) -> GuidedSpec:
     """One spec from its client value (see :func:`parse_guided`)."""
@@ -158,15 +162,7 @@ def _one(kind: str, v: Any, where: str, max_bytes: int, max_depth: int, json_dep
         return GuidedSpec("json_object", "", where)
     if kind in ("json", "structural_tag"):
         if isinstance(v, str):
-            if _text_bytes(v) > max_bytes:
-                raise ValueError(f"{where} is {_text_bytes(v)} bytes; the limit is {max_bytes} (max_grammar_bytes)")
-            if json_depth(v) > max_depth:
-                raise ValueError(f"{where} is nested {json_depth(v)} levels deep; the limit is {max_depth} "
-                                 f"(max_schema_depth)")
-            try:
-                v = json.loads(v)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where} is not valid JSON: {e}") from None
+            v = _load_json(v, where, max_bytes, max_depth, json_depth)
         if not isinstance(v, (dict, bool)) or (kind == "structural_tag" and not isinstance(v, dict)):
             what = "a JSON schema" if kind == "json" else "a structural tag"
             raise ValueError(f"{where} must be {what} (an object), got {type(v).__name__}")
