@@ -227,6 +227,7 @@ class GrammarCompiler:
         self._compiler = None
         self._init_error: Optional[BaseException] = None
         self._started = False
+        self._running_since: Dict[GuidedSpec, float] = {}  # compiles under way: their start (monotonic)
         self.counters = collections.Counter()
 
     def start(self) -> "GrammarCompiler":
@@ -273,7 +274,8 @@ class GrammarCompiler:
             spec: what to compile.
             timeout_s: the most seconds the compile itself may take (the wait for the vocabulary
                 is not counted); None: no limit.  A compile past it goes on in the background,
-                but its spec is refused from then on.
+                but its spec is refused from then on; one that waited that long behind other
+                compiles is refused this time only.
 
         Raises:
             ValueError: the schema, regex or grammar does not compile (xgrammar's reason), naming
@@ -297,6 +299,11 @@ class GrammarCompiler:
         try:
             return fut.result(timeout=timeout_s)
         except FutureTimeout:
+            with self._lock:
+                since = self._running_since.get(spec)
+            if since is None or time.monotonic() - since < timeout_s:  # it waited behind other compiles
+                raise GrammarTimeout(f"{spec.field}: the grammar compiler is busy with other new grammars "
+                                     f"(grammar_compile_timeout_ms); retry later") from None
             msg = (f"the grammar did not compile within {timeout_s * 1000:.0f} ms "
                    f"(grammar_compile_timeout_ms); simplify it")
             self._remember_failure(spec, msg)
@@ -310,7 +317,19 @@ class GrammarCompiler:
                 self._failed.popitem(last=False)
 
     def _compile_now(self, spec: GuidedSpec) -> Any:
+        cg = self.cached(spec)  # compiled while this one waited for a worker
+        if cg is not None:
+            return cg
         t0 = time.perf_counter()
+        with self._lock:
+            self._running_since[spec] = time.monotonic()
+        try:
+            return self._compile_spec(spec, t0)
+        finally:
+            with self._lock:
+                self._running_since.pop(spec, None)
+
+    def _compile_spec(self, spec: GuidedSpec, t0: float) -> Any:
         c = self._compiler
         try:
             if spec.kind == "json":
