@@ -8,9 +8,11 @@ On one server (started here for ``--pair`` with ``token_router`` set to ``--algo
   :data:`SCHEMAS` (nested objects, enums, arrays, required and optional fields, numbers with
   ranges, patterns), round robin, ``--concurrency`` at a time, through Triton's HTTP generate
   with ``guided_decoding.json``; each output is parsed and validated (``jsonschema``);
-* **cost**: output tokens/s of the same prompts at ``--concurrency`` with the schema and without
-  (same ``--max-tokens``), alternating the order over ``--repeats`` pairs; the ratio is the
-  constrained run's over the unconstrained one's;
+* **cost**: output tokens/s of the same prompts at ``--concurrency`` with the schema and without,
+  ``--repeats`` pairs; each unconstrained request writes as many tokens as its prompt's first
+  constrained one (``ignore_eos``), so that short JSON answers are not compared with long free
+  ones (prefill and handoffs weigh more per token in a short answer); the ratio is the
+  constrained runs' tokens/s over the unconstrained runs';
 * **equality**: greedy output under a grammar that allows everything (``root ::= [^]*``)
   against unconstrained greedy output, token for token, for ``--equal-prompts`` prompts;
 * **tool calls** (unless ``--no-tools``): through the OpenAI front end, a forced call of a named
@@ -164,18 +166,27 @@ def validity(http: str, a) -> Dict[str, Any]:
 
 
 def cost(http: str, a) -> Dict[str, Any]:
-    """Output tokens/s with and without the schema, alternating, on the same prompts."""
+    """Output tokens/s with and without the schema, alternating, on the same prompts and with the
+    same output lengths: each unconstrained request writes as many tokens as its prompt's first
+    constrained run (``max_tokens`` = that, ``ignore_eos``), so that prefills and handoffs weigh
+    the same in both."""
     jobs = [(i, SCHEMAS[i % len(SCHEMAS)]) for i in range(a.cost_requests)]
+    lengths: Dict[int, int] = {}
     runs = []
     for rep in range(a.repeats):
-        for guided in ((True, False) if rep % 2 == 0 else (False, True)):
+        for guided in (True, False):  # the constrained run first: it sets the lengths
             def one(job, guided=guided):
                 i, (topic, schema) = job
-                sp = {"max_tokens": a.max_tokens, "temperature": 0}
+                sp: Dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": 0}
                 if guided:
                     sp["guided_decoding"] = {"json": schema}
+                else:
+                    sp.update(max_tokens=lengths.get(i) or a.max_tokens, ignore_eos=True)
                 out = _generate(http, _prompt(topic, schema, i // len(SCHEMAS)), sp)
-                return len(out["routing_trace"]["trace"]) if out["_status"] == 200 else 0
+                n = len(out["routing_trace"]["trace"]) if out["_status"] == 200 else 0
+                if guided:
+                    lengths.setdefault(i, n)
+                return n
 
             t0 = time.monotonic()
             with ThreadPoolExecutor(a.concurrency) as ex:
