@@ -5,7 +5,8 @@
 #
 # Sourceable, idempotent and silent when everything is in place. On first use it
 # creates a virtual environment from deploy/requirements.txt and
-# deploy/requirements-nodeps.txt (and the tasks of perf/quality.py, deploy/requirements-tasks.txt) under
+# deploy/requirements-nodeps.txt (and the tasks of perf/quality.py, deploy/requirements-tasks.txt;
+# structured output, deploy/requirements-structured.txt) under
 #   ${TOKENROUTER_CACHE:-$HOME/.cache/tokenrouter}/venv-<hash>
 # where <hash> covers the requirement files (without comments) and the Python build, so fresh clones
 # (CI) reuse it. Creation is serialised with flock and marked complete by a file
@@ -97,7 +98,9 @@ _tr_build_venv() {
         "$venv/bin/python" -m pip install --no-input --progress-bar off --no-deps \
             -r "$root/deploy/requirements-nodeps.txt" &&
         "$venv/bin/python" -m pip install --no-input --progress-bar off --no-deps --only-binary :all: \
-            --require-hashes -r "$root/deploy/requirements-tasks.txt"
+            --require-hashes -r "$root/deploy/requirements-tasks.txt" &&
+        "$venv/bin/python" -m pip install --no-input --progress-bar off --no-deps --only-binary :all: \
+            --require-hashes -r "$root/deploy/requirements-structured.txt"
     } >"$log" 2>&1 || {
         _tr_err "building the venv failed; last lines of $log:"
         tail -n 30 "$log" >&2
@@ -123,7 +126,7 @@ _tr_env_main() {
     fi
     local f
     for f in "$root/deploy/requirements.txt" "$root/deploy/requirements-nodeps.txt" \
-        "$root/deploy/requirements-tasks.txt"; do
+        "$root/deploy/requirements-tasks.txt" "$root/deploy/requirements-structured.txt"; do
         [[ -r "$f" ]] || { _tr_err "missing $f"; return 1; }
     done
 
@@ -145,7 +148,8 @@ print(sys.version.replace("\n", " "), sys.base_prefix, sysconfig.get_platform())
     local hash
     # the requirements themselves, not their comments: editing a comment does not rebuild the venv
     hash=$( { sed -e 's/[[:space:]]*#.*//' -e '/^[[:space:]]*$/d' "$root/deploy/requirements.txt" \
-        "$root/deploy/requirements-nodeps.txt" "$root/deploy/requirements-tasks.txt"; echo "$pyid"; } | sha256sum | cut -c1-12) || return 1
+        "$root/deploy/requirements-nodeps.txt" "$root/deploy/requirements-tasks.txt" \
+        "$root/deploy/requirements-structured.txt"; echo "$pyid"; } | sha256sum | cut -c1-12) || return 1
     local venv="$cache/venv-$hash"
 
     mkdir -p "$cache" || { _tr_err "cannot create $cache"; return 1; }

@@ -703,7 +703,7 @@ def reference_generate(model_dir: str, dtype: str, tokenizer, prompts: Sequence[
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    from tokenrouter.routing.router_core import stop_token_ids
+    from tokenrouter.engine.detok import stop_token_ids
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
     model.eval()

@@ -184,7 +184,7 @@ def test_errors_are_openai_format(client, frontend):
     assert "sampling_parameters" not in err["message"], err
 
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+        client.chat.completions.create(model=MODEL, messages=[{"role": "narrator", "content": "x"}], max_tokens=4)
     assert _error(e.value)["param"] == "messages[0].role"
 
     with pytest.raises(openai.BadRequestError) as e:

@@ -62,7 +62,8 @@ class AdminOpsMixin:
         ``prefill_chunk_tokens`` budget) and that setting; the prefix cache's sizes and
         counters in tokens (``prefix_cache_*``, ``kv_tokens_allocated``: see
         ``SGLangEngine.prefix_cache_stats``; ``kv_tokens_in_use`` leaves out what only the
-        cache holds).
+        cache holds); guided decoding's ``guided_requests`` and ``grammar_*`` counters
+        (``ConstrainedDecoding.stats``).
         """
         def snap():
             active = len(self.requests)
@@ -94,6 +95,7 @@ class AdminOpsMixin:
                 "delayed_batch_max_wait_us": int(round(self.config.max_wait_s * 1e6)),
                 "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
                 **self.engine.prefix_cache_stats(),
+                **self.constrained.stats(),
             }
         return self.call(snap)
 

@@ -28,7 +28,8 @@ class AdmissionMixin:
 
     Uses its ``engine``, ``name``, ``config``, ``counters``, ``requests``, ``ready``, ``waiting``
     (``(peer_req, sink)`` awaiting KV, in order), ``_wait_deadline`` (rid -> monotonic deadline),
-    ``reserved`` (KV tokens), ``_configure_algorithm``, ``_end_segment`` and ``_release``.
+    ``reserved`` (KV tokens), ``constrained`` (guided decoding), ``_configure_algorithm``,
+    ``_end_segment`` and ``_release``.
     """
 
     def _receive_guarded(self, peer_req: PeerReq, sink: Sink) -> None:
@@ -103,6 +104,7 @@ class AdmissionMixin:
         lr.loc = len(lr.seq.tokens)
         self._set_verify(lr, algo)
         lr.sink = sink
+        self.constrained.sync(lr)  # guided decoding: the catch-up tokens (ValueError: this request fails)
         self._make_ready(lr)
 
     def _rollback_drafts(self, lr: LocalRequest, tokens: List[int]) -> List[int]:
@@ -159,6 +161,12 @@ class AdmissionMixin:
         lr = LocalRequest(rid=hdr.rid, seq=seq, header=hdr, algo=algo, loc=len(tokens),
                           sink=sink, reserved_tokens=need)
         self._set_verify(lr, algo)
+        err = self.constrained.attach(lr)  # guided decoding: the request's matcher
+        if err is not None:
+            self.counters["errors"] += 1
+            self.engine.release(seq, cache=False)
+            sink("error", [], {"message": f"model {self.name}: {err}"})
+            return
         self.reserved += need
         self.requests[lr.rid] = lr
         self._make_ready(lr)

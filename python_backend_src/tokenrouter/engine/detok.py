@@ -9,11 +9,43 @@ cannot (the output is cut before the first stop string, as in vLLM).
 
 from __future__ import annotations
 
-from typing import Sequence
+import os
+from typing import List, Sequence
 
 from tokenizers.decoders import DecodeStream
 
-__all__ = ["IncrementalDetokenizer"]
+__all__ = ["IncrementalDetokenizer", "stop_token_ids", "load_tokenizer"]
+
+
+def load_tokenizer(path: str):
+    """A Hugging Face tokenizer from a checkpoint folder (its chat template, a grammar's vocabulary).
+
+    Uses ``PreTrainedTokenizerFast`` when the folder has ``tokenizer.json`` (no
+    torch import), else ``AutoTokenizer``.
+
+    Raises:
+        OSError / ValueError: the folder holds no loadable tokenizer.
+    """
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from .cpu import install
+
+    install()  # transformers' model imports load torchvision (a CUDA build here)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def stop_token_ids(tokenizer) -> List[int]:
+    """EOS and chat end-of-turn token ids of ``tokenizer`` (they end a request)."""
+    ids = {tokenizer.eos_token_id}
+    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"):
+        tid = tokenizer.convert_tokens_to_ids(tok)
+        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
+            ids.add(tid)
+    return sorted(i for i in ids if i is not None)
 
 
 class IncrementalDetokenizer:

@@ -40,9 +40,11 @@ class SampledRows:
     Attributes:
         tokens: int token id per row.
         logprobs: its raw log-probability per row (float).
-        probs: its probability per row (float).
-        entropies: the row's normalised entropy (in [0, 1]).
+        probs: its probability per row (float), under the distribution it was sampled from.
+        entropies: the row's normalised entropy (in [0, 1]), of that distribution.
         errors: row index -> message, for rows whose sampling failed.
+        logits: float32 ``[B, V]``, the logits sampled from: the raw ones, or a guided request's
+            with the tokens its grammar does not allow at -inf (:mod:`tokenrouter.engine.constrained`).
     """
 
     tokens: List[int]
@@ -50,6 +52,7 @@ class SampledRows:
     probs: List[float]
     entropies: List[float]
     errors: Dict[int, str]
+    logits: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -69,7 +72,8 @@ class StepTally:
 
 class OutputProcessorMixin:
     """Step results of a :class:`~tokenrouter.engine.subserver.Subserver` (uses its engine, sampler,
-    counters, config, name, event sink, ``ready`` queue, ``_end_segment`` and ``_release``)."""
+    ``constrained`` (guided decoding), counters, config, name, event sink, ``ready`` queue,
+    ``_end_segment`` and ``_release``)."""
 
     @staticmethod
     def _sampling_context(lr: LocalRequest):
@@ -120,7 +124,8 @@ class OutputProcessorMixin:
         drafts, lr.verify = lr.verify, []
         if position_logits is None or position_logits.shape[0] != len(drafts) + 1:
             raise ValueError("the engine returned no logits at the drafted positions")
-        v = lr.algo.verify(res, position_logits, drafts, self.sampler)
+        # guided decoding: each drafted position masked by the grammar state before it
+        v = lr.algo.verify(res, self.constrained.mask_positions(lr, drafts, position_logits), drafts, self.sampler)
         if isinstance(v, Verdict):
             toks, n_acc = [int(t) for t in v.tokens], int(v.accepted)
         else:
@@ -163,13 +168,19 @@ class OutputProcessorMixin:
 
     def _sample(self, batch: List[LocalRequest], out: ForwardOutput) -> SampledRows:
         """One token per row, with its log-probability, probability and the row's entropy."""
-        logp = torch.log_softmax(out.logits, dim=-1)
         errors: Dict[int, str] = {}
-        toks = self.sampler.sample(out.logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch],
+        # guided decoding: disallowed tokens at -inf for sampling, routing and drafting
+        logits = self.constrained.mask(batch, out.logits, errors)
+        logp = torch.log_softmax(logits, dim=-1)
+        toks = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch],
                                    errors=errors, contexts=[self._sampling_context(lr) for lr in batch])
         tok_logp = logp.gather(1, toks.view(-1, 1)).view(-1)
-        return SampledRows(tokens=toks.tolist(), logprobs=tok_logp.tolist(), probs=tok_logp.exp().tolist(),
-                           entropies=normalized_entropy(logp).tolist(), errors=errors)
+        probs = tok_logp.exp().tolist()
+        if logits is not out.logits and any(lr.header.sampling.get("logprobs") for lr in batch):
+            # reported logprobs are the raw logits' (tokenrouter.engine.constrained)
+            tok_logp = torch.log_softmax(out.logits, dim=-1).gather(1, toks.view(-1, 1)).view(-1)
+        return SampledRows(tokens=toks.tolist(), logprobs=tok_logp.tolist(), probs=probs,
+                           entropies=normalized_entropy(logp).tolist(), errors=errors, logits=logits)
 
     def _process_row(self, lr: LocalRequest, i: int, out: ForwardOutput, sampled: SampledRows,
                      tally: StepTally) -> str:
@@ -180,7 +191,7 @@ class OutputProcessorMixin:
         hdr = lr.header
         res = StepResult(rid=lr.rid, model_index=lr.algo.model_index, token_id=sampled.tokens[i],
                          norm_entropy=sampled.entropies[i], prob=sampled.probs[i], step=hdr.num_generated,
-                         hidden=None if out.hidden is None else out.hidden[i], logits=out.logits[i], state=lr)
+                         hidden=None if out.hidden is None else out.hidden[i], logits=sampled.logits[i], state=lr)
         drafted, verified = None, None
         try:
             if lr.verify:  # speculative decoding: this step ran a peer's drafts
@@ -204,6 +215,12 @@ class OutputProcessorMixin:
             toks, lps, in_seq = [], [], 0
         n, finished = self._commit(lr, toks, lps, in_seq)
         tally.committed += n
+        try:  # guided decoding: the matcher follows the sequence; a complete match ends the request
+            self.constrained.sync(lr)
+        except ValueError as e:
+            return self._fail_row(lr, f"guided decoding: {e}")
+        if finished is None and toks and self.constrained.complete(lr):
+            finished = FinishReason.STOP
         if finished is not None:
             self.counters["finished"] += 1
             self._end_segment(lr, "finished", {"finish_reason": finished.value, "num_generated": hdr.num_generated})

@@ -2,7 +2,9 @@
 
 ``sampling_parameters`` is a JSON object string, as in Triton's vllm_backend:
 ``{"max_tokens": 64, "temperature": 0.7, "top_p": 0.9, "top_k": 40, "seed": 1,
-"stop": ["\\n\\n"], "ignore_eos": false, "routing_threshold": 0.05}``.
+"stop": ["\\n\\n"], "ignore_eos": false, "routing_threshold": 0.05}``; structured output with
+vLLM's guided-decoding forms (``"guided_decoding": {"json": {...schema...}}``, ``regex``,
+``choice``, ``grammar``, ``json_object``; :mod:`tokenrouter.engine.grammar`).
 Values are read as vllm_backend reads them: a number may also be given as a
 numeric string (``"32"``, as genai-perf sends it), a boolean as ``"true"`` /
 ``"false"``, and ``null`` means "the default".  Unknown keys are rejected, so a
@@ -20,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
+
+from .grammar import GUIDED_KEYS, GuidedSpec, parse_guided
 
 __all__ = ["SamplingParams", "filtered_probs", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
            "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS",
@@ -42,6 +46,11 @@ class InputLimits:
         max_stop_strings: number of ``stop`` strings.
         max_stop_string_bytes: UTF-8 bytes of one stop string.
         max_stop_token_ids: number of ``stop_token_ids``.
+        max_grammar_bytes: UTF-8 bytes of a guided-decoding schema, regex, grammar or choice list.
+        max_schema_depth: nesting depth of a guided-decoding JSON schema.
+        grammar_compile_timeout_ms: milliseconds a new grammar may take to compile (the router
+            compiles it before the request runs; one past the limit is refused, and so are its
+            later copies).
     """
 
     max_sampling_parameters_bytes: int = 64 * 1024
@@ -49,6 +58,9 @@ class InputLimits:
     max_stop_strings: int = 16
     max_stop_string_bytes: int = 1024
     max_stop_token_ids: int = 1024
+    max_grammar_bytes: int = 32 * 1024
+    max_schema_depth: int = 32
+    grammar_compile_timeout_ms: int = 3000
 
     def __post_init__(self) -> None:
         for name in self.__dataclass_fields__:
@@ -115,6 +127,9 @@ class SamplingParams:
             default ``raw_logprobs``).  vLLM's ``logprobs`` is a count of
             alternatives: only 0 (the sampled token alone) is supported;
             ``true`` is read as 0.
+        guided: what the output must match (:class:`~tokenrouter.engine.grammar.GuidedSpec`:
+            a JSON schema, any JSON object, a regex, a choice of strings or an EBNF grammar),
+            or None.  Both models mask their logits with one grammar state (constrained decoding).
         max_tokens_given: False where ``max_tokens`` is the caller's default
             (the request set none), so that errors about it can say so.
     """
@@ -135,6 +150,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logprobs: Optional[int] = None
+    guided: Optional[GuidedSpec] = None
     max_tokens_given: bool = field(default=True, compare=False, repr=False)
 
     def sampler_dict(self) -> Dict[str, Any]:
@@ -152,14 +168,17 @@ class SamplingParams:
             d["min_tokens"] = self.min_tokens
         if self.logprobs is not None:
             d["logprobs"] = True
+        if self.guided is not None:
+            d["guided"] = self.guided.wire()
         return d
 
 
-#: keys a client may set (``max_tokens_given`` is the parser's own note, not an input)
-_KEYS = set(SamplingParams.__dataclass_fields__) - {"max_tokens_given"}
+#: keys a client may set (``max_tokens_given`` is the parser's own note, not an input; ``guided`` is
+#: set through one of the guided-decoding keys)
+_KEYS = (set(SamplingParams.__dataclass_fields__) - {"max_tokens_given", "guided"}) | set(GUIDED_KEYS)
 #: keys of the sampler dict a model accepts in a PeerReq (see SamplingParams.sampler_dict)
 SAMPLER_KEYS = frozenset({"temperature", "top_p", "top_k", "seed", "repetition_penalty", "presence_penalty",
-                          "frequency_penalty", "min_tokens", "logprobs"})
+                          "frequency_penalty", "min_tokens", "logprobs", "guided"})
 #: torch.Generator seeds are 64-bit signed
 MAX_SEED = 2**63 - 1
 #: temperatures below this are greedy, as in vLLM (logits / t would overflow float32)
@@ -363,6 +382,7 @@ def _parse(d: Dict[str, Any], default_max_tokens: int, limits: InputLimits = DEF
                             (_to_number("stop_token_ids", x, int) for x in s)]
         if any(t < 0 for t in p.stop_token_ids):
             raise ValueError("sampling_parameters.stop_token_ids must be non-negative token ids")
+    p.guided = parse_guided(d, limits.max_grammar_bytes, limits.max_schema_depth, json_depth)
     return p
 
 
@@ -378,12 +398,14 @@ def validate_sampling(sampling: Dict[str, Any]) -> None:
     unknown = set(sampling) - SAMPLER_KEYS
     if unknown:
         raise ValueError(f"unknown sampling keys {sorted(unknown)}")
-    d = {k: v for k, v in sampling.items() if v is not None and k not in ("min_tokens", "logprobs")}
+    d = {k: v for k, v in sampling.items() if v is not None and k not in ("min_tokens", "logprobs", "guided")}
     parse_sampling_parameters(d)
     if "min_tokens" in sampling:
         _to_number("min_tokens", sampling["min_tokens"], int)
     if "logprobs" in sampling and not isinstance(sampling["logprobs"], bool):
         raise ValueError("sampling.logprobs must be true or false")
+    if sampling.get("guided") is not None:
+        GuidedSpec.from_wire(sampling["guided"])
 
 
 def apply_penalties(row: torch.Tensor, p: Dict[str, Any], context: Optional[Tuple[Sequence[int], int]]
@@ -433,9 +455,9 @@ def normalized_entropy(logp: torch.Tensor) -> torch.Tensor:
 
     Returns:
         float32 tensor ``[B]`` in [0, 1].  R-Stitch's uncertainty score
-        (normalised entropy, H / log V).
+        (normalised entropy, H / log V).  Tokens at -inf (masked by a grammar) count 0.
     """
-    return -(logp.exp() * logp).sum(-1) / math.log(logp.shape[-1])
+    return -(logp.exp() * logp.clamp_min(torch.finfo(logp.dtype).min)).sum(-1) / math.log(logp.shape[-1])
 
 
 def filtered_probs(scaled: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -34,6 +34,7 @@ from ..protocol import FinishReason, PeerReq
 from .admin import AdminOpsMixin
 from .admission import AdmissionMixin
 from .config import SubserverConfig
+from .constrained import ConstrainedDecoding
 from .inbox import LoopCall, Release, Stop, Submit, SubmitGroup
 from .lockstep import LockStep
 from .output_processor import OutputProcessorMixin
@@ -81,6 +82,8 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         self.event_sink = event_sink
         self.on_idle = on_idle
         self.sampler = BatchSampler()
+        # constrained decoding: guided requests' matchers and masks (engine/constrained.py)
+        self.constrained = ConstrainedDecoding(engine.config.model_path, engine.vocab_size, self.config.max_batch)
         self.requests: Dict[str, LocalRequest] = {}
         self.ready: "collections.OrderedDict[str, LocalRequest]" = collections.OrderedDict()
         self.waiting: Deque[tuple] = collections.deque()  # (peer_req, sink) awaiting KV
@@ -95,13 +98,17 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
 
     # ------------------------------------------------------------ public API
     def submit(self, peer_req: PeerReq, sink: Sink) -> None:
-        """Queue a PeerReq (new request or a resume) for this model.  Thread-safe."""
+        """Queue a PeerReq (new request or a resume) for this model.  Thread-safe.  A new grammar
+        (guided decoding) is compiled here, on the caller's thread, not on the decode loop's."""
+        self.constrained.prepare(peer_req.sampling)
         self.inbox.put(Submit(peer_req, sink))
 
     def submit_group(self, items: List[tuple]) -> None:
         """Queue several ``(peer_req, sink)`` at once: the loop receives them all before its
         next step decision, so the ready ones enter the same step (Triton's dynamic batcher
         grouped them: router ``transport: triton``).  Thread-safe."""
+        for peer_req, _ in items:
+            self.constrained.prepare(peer_req.sampling)
         self.inbox.put(SubmitGroup(list(items)))
 
     def release(self, rid: str) -> None:
@@ -210,6 +217,7 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         self.ready.pop(rid, None)
         self.engine.release(lr.seq, cache=kind != "error")  # a failed step's KV is not cached
         self.sampler.forget(rid)
+        self.constrained.release(rid)
         self.reserved -= lr.reserved_tokens
 
     def _fail_all(self, message: str) -> None:

@@ -268,16 +268,6 @@ def _fall_back(err: PeerDownError, r: RoutedRequest, header: PeerReq, current: i
     return nxt
 
 
-def stop_token_ids(tokenizer) -> List[int]:
-    """EOS and chat end-of-turn token ids of ``tokenizer`` (they end a request)."""
-    ids = {tokenizer.eos_token_id}
-    for tok in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "<|end|>"):
-        tid = tokenizer.convert_tokens_to_ids(tok)
-        if isinstance(tid, int) and tid != tokenizer.unk_token_id:
-            ids.add(tid)
-    return sorted(i for i in ids if i is not None)
-
-
 class PromptTooLong(ValueError):
     """A prompt with more tokens than allowed; ``counted`` is a lower bound of its length (tokens)."""
 

@@ -127,7 +127,7 @@ class DirectRouter:
         from transformers import AutoTokenizer
 
         from ..algorithms import configure as configure_algorithm
-        from ..routing.router_core import stop_token_ids
+        from ..engine.detok import stop_token_ids
 
         self.cluster, self.models, self.algorithm = cluster, list(models), algorithm
         self.algo_cls, self.params = configure_algorithm(algorithm, params or {}, len(models))

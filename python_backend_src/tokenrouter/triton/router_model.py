@@ -16,7 +16,10 @@ Inputs
                                           repetition_penalty, presence_penalty,
                                           frequency_penalty, min_tokens, stop_token_ids,
                                           include_stop_str_in_output, skip_special_tokens,
-                                          logprobs (vllm_backend value forms: "32",
+                                          logprobs, guided_decoding (vLLM's structured
+                                          output: json, regex, choice, grammar, json_object;
+                                          also guided_json, guided_regex, ...)
+                                          (vllm_backend value forms: "32",
                                           "true", null = default; see tokenrouter.engine.sampling).
                                           Absent: the request's parameters are read instead
                                           (HTTP generate "parameters", gRPC parameters).
@@ -58,7 +61,8 @@ ends at its queue timeout, as "busy", long before), the limits of
 :class:`~tokenrouter.triton.settings.RequestLimits`
 (``max_input_bytes``, ``max_queued_requests``, ``queue_timeout_s``) and of
 :class:`~tokenrouter.engine.sampling.InputLimits` (``max_sampling_parameters_bytes``,
-``max_json_depth``, ``max_stop_strings``, ``max_stop_string_bytes``, ``max_stop_token_ids``),
+``max_json_depth``, ``max_stop_strings``, ``max_stop_string_bytes``, ``max_stop_token_ids``,
+``max_grammar_bytes``, ``max_schema_depth``, ``grammar_compile_timeout_ms``),
 ``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
 it needs is down; see :class:`_PeerFailure`), ``peer_restart_s`` (seconds between
 two attempts to get a dead model restarted), ``transport`` (below),
@@ -112,13 +116,14 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..algorithms import get_algorithm
-from ..engine.detok import IncrementalDetokenizer
+from ..engine.detok import IncrementalDetokenizer, stop_token_ids
+from ..engine.grammar import GrammarCompiler
 from ..engine.sampling import InputLimits, SamplingParams, check_json_text, parse_sampling_parameters
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
 from ..routing.peer import PeerClient, PeerDownError, advert_path, read_advert, remove_advert, write_advert
 from ..protocol import FinishReason, Ping
-from ..routing.router_core import PromptTooLong, drive, encode_prompt, make_header, stop_token_ids
+from ..routing.router_core import PromptTooLong, drive, encode_prompt, make_header
 from . import model_control
 from .common import model_parameters
 from .messages import (BusyCount, BusyReply, EndpointQuery, ErrorReply, FinalOutputs, IOCall, RequestMetrics,
@@ -315,6 +320,8 @@ class TritonPythonModel:
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
         self.stop_token_ids = stop_token_ids(self.tokenizer)
         self.vocab_size = len(self.tokenizer)  # ids >= this are no token (added tokens included)
+        # guided decoding: every new grammar is compiled here first, within grammar_compile_timeout_ms
+        self.grammar = GrammarCompiler(self.tokenizer, self.vocab_size, self.stop_token_ids).start()
 
     def init_algorithm(self) -> None:
         """The routing algorithm (``algorithm``) and its checked parameters (``algorithm_params``),
@@ -480,6 +487,11 @@ class TritonPythonModel:
             raise ClientError("sampling_parameters is not valid UTF-8") from None
         except ValueError as e:
             raise ClientError(str(e)) from None
+        if sp.guided is not None:  # a 400 naming the field for a grammar that does not compile in time
+            try:
+                self.grammar.compile(sp.guided, timeout_s=lim.sampling.grammar_compile_timeout_ms / 1000)
+            except (ValueError, RuntimeError) as e:
+                raise ClientError(str(e).replace("sampling_parameters", source)) from None
         oov = [t for t in sp.stop_token_ids if t >= self.vocab_size]
         if oov:
             raise ClientError(f"{source}.stop_token_ids {oov} are not token ids of this tokenizer "

@@ -2,36 +2,16 @@
 
 from __future__ import annotations
 
-import os
+import json
 from typing import Any, Dict, List, Optional
 
+from ...engine.detok import load_tokenizer
 from .errors import OpenAIError
 
 __all__ = ["load_tokenizer", "render_chat"]
 
 #: OpenAI roles -> the role the chat template gets
-_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-def load_tokenizer(path: str):
-    """A Hugging Face tokenizer from a checkpoint folder (for its chat template).
-
-    Uses ``PreTrainedTokenizerFast`` when the folder has ``tokenizer.json`` (no
-    torch import), else ``AutoTokenizer``.
-
-    Raises:
-        OSError / ValueError: the folder holds no loadable tokenizer.
-    """
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast.from_pretrained(path)
-    from ...engine.cpu import install
-
-    install()  # transformers' model imports load torchvision (a CUDA build here)
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
+_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def _content(where: str, content: Any) -> str:
@@ -54,11 +34,37 @@ def _content(where: str, content: Any) -> str:
     return content
 
 
-def _conversation(messages: Any) -> List[Dict[str, str]]:
-    """OpenAI chat ``messages`` as the chat template's ``[{"role", "content"}]`` (content a string).
+def _tool_calls(where: str, calls: Any) -> List[Dict[str, Any]]:
+    """An assistant message's ``tool_calls`` for the chat template: ``arguments`` as an object
+    (Qwen2.5's template writes them with ``tojson``), as vLLM passes them.
 
     Raises:
-        OpenAIError: 400 for a malformed message, an unsupported role, tool calls or a non-text part.
+        OpenAIError: 400 for a call that is not ``{"function": {"name", "arguments": JSON text}}``.
+    """
+    if not isinstance(calls, list):
+        raise OpenAIError(400, f"{where}.tool_calls must be a list", param=f"{where}.tool_calls")
+    out = []
+    for j, c in enumerate(calls):
+        f = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str):
+            raise OpenAIError(400, f"{where}.tool_calls[{j}] needs function.name", param=f"{where}.tool_calls")
+        args = f.get("arguments", "{}")
+        try:
+            args = json.loads(args) if isinstance(args, str) else args
+        except json.JSONDecodeError as e:
+            raise OpenAIError(400, f"{where}.tool_calls[{j}].function.arguments is not JSON: {e}",
+                              param=f"{where}.tool_calls") from None
+        out.append({"id": c.get("id"), "type": "function", "function": {"name": f["name"], "arguments": args}})
+    return out
+
+
+def _conversation(messages: Any) -> List[Dict[str, Any]]:
+    """OpenAI chat ``messages`` as the chat template's ``[{"role", "content"}]`` (content a string;
+    an assistant turn's ``tool_calls`` and a tool result's ``tool_call_id`` kept).
+
+    Raises:
+        OpenAIError: 400 for a malformed message, an unsupported role, a legacy ``function_call``
+            or a non-text part.
     """
     if not isinstance(messages, list) or not messages:
         raise OpenAIError(400, "messages must be a non-empty list", param="messages")
@@ -70,14 +76,25 @@ def _conversation(messages: Any) -> List[Dict[str, str]]:
         role = m.get("role")
         if role not in _ROLES:
             raise OpenAIError(400, f"{where}.role {role!r} is not supported (system, developer, user, "
-                              "assistant; tools are not supported)", param=f"{where}.role")
-        if m.get("tool_calls") or m.get("function_call"):
-            raise OpenAIError(400, f"{where}: tool calls are not supported", param=f"{where}.tool_calls")
-        conv.append({"role": _ROLES[role], "content": _content(where, m.get("content"))})
+                              "assistant, tool)", param=f"{where}.role")
+        if m.get("function_call"):
+            raise OpenAIError(400, f"{where}: function_call is not supported (use tool_calls)",
+                              param=f"{where}.function_call")
+        content = m.get("content")
+        entry: Dict[str, Any] = {"role": _ROLES[role]}
+        if role == "assistant" and m.get("tool_calls"):
+            entry["content"] = "" if content is None else _content(where, content)
+            entry["tool_calls"] = _tool_calls(where, m["tool_calls"])
+        else:
+            entry["content"] = _content(where, content)
+        if role == "tool" and m.get("tool_call_id") is not None:
+            entry["tool_call_id"] = str(m["tool_call_id"])
+        conv.append(entry)
     return conv
 
 
-def render_chat(tokenizer, messages: Any, template_kwargs: Optional[Dict[str, Any]] = None) -> str:
+def render_chat(tokenizer, messages: Any, template_kwargs: Optional[Dict[str, Any]] = None,
+                tools: Optional[List[Dict[str, Any]]] = None) -> str:
     """Render OpenAI chat ``messages`` into the prompt text with the tokenizer's chat template.
 
     Args:
@@ -86,6 +103,8 @@ def render_chat(tokenizer, messages: Any, template_kwargs: Optional[Dict[str, An
             (rendered as ``system``), ``user``, ``assistant``; content a string or a
             list of ``{"type": "text", "text": …}`` parts (joined).
         template_kwargs: extra variables for the template (e.g. ``enable_thinking``).
+        tools: function definitions the template lists (``[{"type": "function", "function":
+            {...}}]``; Qwen2.5's asks for ``<tool_call>`` blocks), or None.
 
     Returns:
         The prompt text ending with the generation prompt (the assistant turn's
@@ -102,7 +121,7 @@ def render_chat(tokenizer, messages: Any, template_kwargs: Optional[Dict[str, An
                           param="messages")
     try:
         text = tokenizer.apply_chat_template(conv, add_generation_prompt=True, tokenize=False,
-                                             **(template_kwargs or {}))
+                                             **({"tools": tools} if tools else {}), **(template_kwargs or {}))
     except Exception as e:  # noqa: BLE001 - jinja2 TemplateError, raise_exception() in templates
         raise OpenAIError(400, f"chat template: {e}", param="messages") from None
     bos = getattr(tokenizer, "bos_token", None)

@@ -17,6 +17,8 @@ from .schemas import (ChatCompletionRequest, CompletionRequest, RequestBase, Res
                       full_response, sampling_parameters)
 from .state import FrontendState
 from .streaming import race, sse_stream, watch
+from .structured import Structured, guided_error_param, structured_request
+from .tool_calls import ToolCallStream
 
 __all__ = ["router"]
 
@@ -76,17 +78,9 @@ def _completion_prompt(body: CompletionRequest) -> str:
 
 
 def _check_chat(body: ChatCompletionRequest, max_messages: int) -> None:
-    """400 for the chat fields not supported (logprobs, tools, a non-text ``response_format``)
-    and for more than ``max_messages`` messages."""
+    """400 for the chat fields not supported (logprobs) and for more than ``max_messages`` messages."""
     if body.logprobs or body.top_logprobs:
         raise OpenAIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
-    if body.tools:
-        raise OpenAIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
-    if body.tool_choice not in (None, "none"):
-        raise OpenAIError(400, "tool_choice is not supported", param="tool_choice", code="unsupported_parameter")
-    if body.response_format and body.response_format.get("type") not in (None, "text"):
-        raise OpenAIError(400, "response_format other than text is not supported", param="response_format",
-                          code="unsupported_value")
     if len(body.messages) > max_messages:
         raise OpenAIError(400, f"messages has {len(body.messages)} entries; the limit is {max_messages} "
                           f"(--max-messages)", param="messages", code="too_many_messages")
@@ -106,18 +100,23 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     _check_chat(body, st.max_messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sp = sampling_parameters(body, max_tokens)
+    structured = structured_request(body.response_format, body.tools, body.tool_choice)
+    if structured.guided is not None:
+        sp["guided_decoding"] = structured.guided
     tok = await st.get_tokenizer()
-    prompt = render_chat(tok, body.messages, body.chat_template_kwargs)
-    return await _generate(st, request, body, prompt, sp, chat=True)
+    prompt = render_chat(tok, body.messages, body.chat_template_kwargs, tools=structured.tools)
+    return await _generate(st, request, body, prompt, sp, chat=True, structured=structured)
 
 
 async def _generate(st: FrontendState, request: Request, body: RequestBase, prompt: str, sp: Dict[str, Any], *,
-                    chat: bool):
+                    chat: bool, structured: Structured = Structured()):
     """Send one request to the router; answer with the whole completion, or an SSE stream.
 
     Until the router's first response, a client that disconnects gets nothing (499, the request
     cancelled) and the end of the shutdown grace period a 503; a router error is answered in
-    OpenAI's format (:func:`backend_error`).
+    OpenAI's format (:func:`backend_error`; a grammar the router refused names the field it came
+    from: ``response_format`` or ``tools``).  With ``structured.parse_tools`` the output's
+    ``<tool_call>`` blocks become ``tool_calls`` (streamed as deltas).
     """
     head = ResponseHead(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), st.served, chat)
     gen = st.backend.generate(prompt, sp, stream=bool(body.stream), trace=bool(body.return_routing_trace),
@@ -128,7 +127,9 @@ async def _generate(st: FrontendState, request: Request, body: RequestBase, prom
     except BackendError as e:
         watcher.cancel()
         await gen.aclose()
-        return backend_error(str(e), chat).response()
+        err = backend_error(str(e), chat)
+        err.param = guided_error_param(str(e), structured) or err.param
+        return err.response()
     except ClientGone:
         await gen.aclose()
         return JSONResponse({}, status_code=499)
@@ -142,7 +143,9 @@ async def _generate(st: FrontendState, request: Request, body: RequestBase, prom
     if not body.stream:
         watcher.cancel()
         await gen.aclose()
-        return JSONResponse(full_response(head, first))
+        return JSONResponse(full_response(head, first, parse_tools=structured.parse_tools))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return StreamingResponse(sse_stream(head, first, gen, watcher, include_usage), media_type="text/event-stream",
+    tools = ToolCallStream() if structured.parse_tools else None
+    return StreamingResponse(sse_stream(head, first, gen, watcher, include_usage, tools),
+                             media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .backend import GenerationOutput
 from .errors import OpenAIError
+from .tool_calls import parse_tool_calls
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "RequestBase", "MAX_SEED", "sampling_parameters",
            "check_model", "ResponseHead", "usage", "full_response", "chunk", "sse_event"]
@@ -174,11 +175,19 @@ def usage(out: GenerationOutput) -> Dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def full_response(head: ResponseHead, out: GenerationOutput) -> Dict[str, Any]:
-    """The body of a non-streamed (chat) completion from the router's final response ``out``."""
+def full_response(head: ResponseHead, out: GenerationOutput, parse_tools: bool = False) -> Dict[str, Any]:
+    """The body of a non-streamed (chat) completion from the router's final response ``out``;
+    with ``parse_tools`` its ``<tool_call>`` blocks become the message's ``tool_calls``
+    (``finish_reason`` ``tool_calls`` when the model stopped after them)."""
     if head.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": None,
-                  "finish_reason": out.finish_reason}
+        message: Dict[str, Any] = {"role": "assistant", "content": out.text}
+        finish = out.finish_reason
+        if parse_tools:
+            content, calls = parse_tool_calls(out.text)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                finish = "tool_calls" if finish == "stop" else finish
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
@@ -191,11 +200,11 @@ def full_response(head: ResponseHead, out: GenerationOutput) -> Dict[str, Any]:
 
 
 def chunk(head: ResponseHead, text: Optional[str], finish: Optional[str] = None,
-          role: bool = False) -> Dict[str, Any]:
+          role: bool = False, delta: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One streamed chunk: a text delta (chat: ``delta.content``, and ``delta.role`` when ``role``)
-    with ``finish_reason`` ``finish``."""
+    with ``finish_reason`` ``finish``; chat: ``delta`` given is sent as it is (tool-call deltas)."""
     if head.chat:
-        delta: Dict[str, Any] = {}
+        delta = dict(delta or {})
         if role:
             delta["role"] = "assistant"
         if text is not None:

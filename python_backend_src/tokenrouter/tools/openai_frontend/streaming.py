@@ -10,6 +10,7 @@ from fastapi import Request
 from .backend import GenerationOutput
 from .errors import BackendError, ClientGone, ServerDraining, backend_error, shutting_down
 from .schemas import ResponseHead, chunk, sse_event, usage
+from .tool_calls import ToolCallStream
 
 __all__ = ["watch", "race", "sse_stream"]
 
@@ -59,10 +60,14 @@ async def race(aw, watcher: "asyncio.Future") -> Any:
     raise ClientGone()
 
 
-def _final_events(head: ResponseHead, out: GenerationOutput, include_usage: bool) -> Iterator[str]:
+def _final_events(head: ResponseHead, out: GenerationOutput, include_usage: bool,
+                  tools: Optional[ToolCallStream] = None) -> Iterator[str]:
     """The finish chunk (with ``routing_summary``, and ``routing_trace`` when asked), then the usage
-    chunk when ``include_usage``."""
-    last = chunk(head, None if head.chat else "", out.finish_reason)
+    chunk when ``include_usage``; ``finish_reason`` ``tool_calls`` after tool calls."""
+    finish = out.finish_reason
+    if tools is not None and tools.calls and finish == "stop":
+        finish = "tool_calls"
+    last = chunk(head, None if head.chat else "", finish)
     last["routing_summary"] = out.routing_summary
     if out.routing_trace is not None:
         last["routing_trace"] = out.routing_trace
@@ -72,7 +77,7 @@ def _final_events(head: ResponseHead, out: GenerationOutput, include_usage: bool
 
 
 async def sse_stream(head: ResponseHead, first: GenerationOutput, gen, watcher: "asyncio.Future",
-                     include_usage: bool) -> AsyncIterator[str]:
+                     include_usage: bool, tools: Optional[ToolCallStream] = None) -> AsyncIterator[str]:
     """The SSE stream of one request: chunks, the finish chunk (with ``routing_summary``),
     the usage chunk when asked, ``[DONE]``. Cancelled or abandoned, it cancels the Triton request.
 
@@ -82,6 +87,7 @@ async def sse_stream(head: ResponseHead, first: GenerationOutput, gen, watcher: 
         gen: :meth:`TritonBackend.generate`'s generator, for the rest.
         watcher: :func:`watch`'s future for this request.
         include_usage: ``stream_options.include_usage``.
+        tools: parses ``<tool_call>`` blocks out of the text into ``tool_calls`` deltas, or None.
 
     A router error or the end of the shutdown grace period ends the stream with an error event
     (OpenAI's format) and ``[DONE]``.
@@ -91,10 +97,13 @@ async def sse_stream(head: ResponseHead, first: GenerationOutput, gen, watcher: 
             yield sse_event(chunk(head, "", role=True))
         out = first
         while True:
-            if out.text:
+            if out.text and tools is None:
                 yield sse_event(chunk(head, out.text))
+            elif tools is not None:
+                for delta in tools.feed(out.text) + (tools.finish() if out.final else []):
+                    yield sse_event(chunk(head, None, delta=delta))
             if out.final:
-                for event in _final_events(head, out, include_usage):
+                for event in _final_events(head, out, include_usage, tools):
                     yield event
                 break
             try:
