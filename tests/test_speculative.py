@@ -218,6 +218,7 @@ def test_verification_without_an_own_token_in_the_engine():
     results are refused."""
     import collections
 
+    from tokenrouter.engine.constrained import ConstrainedDecoding
     from tokenrouter.engine.output_processor import OutputProcessorMixin
     from tokenrouter.protocol import Verdict
 
@@ -229,9 +230,10 @@ def test_verification_without_an_own_token_in_the_engine():
 
     def run(verdict, drafts=(3, 4, 9)):
         algo = SimpleNamespace(verify=lambda *a: verdict, peer_model=lambda k: 0)
-        lr = SimpleNamespace(verify=list(drafts), seq=SimpleNamespace(tokens=[7, 7] + list(drafts)), algo=algo,
-                             spec_round=None)
-        proc = SimpleNamespace(engine=Engine(), counters=collections.Counter(), sampler=None)
+        lr = SimpleNamespace(rid="r", verify=list(drafts), seq=SimpleNamespace(tokens=[7, 7] + list(drafts)),
+                             algo=algo, spec_round=None)
+        proc = SimpleNamespace(engine=Engine(), counters=collections.Counter(), sampler=None,
+                               constrained=ConstrainedDecoding("unguided", 10))  # no grammar: logits as they are
         toks, lps, in_seq = OutputProcessorMixin._verify_row(proc, lr, None, torch.zeros(len(drafts) + 1, 10))
         return toks, in_seq, lr, proc.counters
 
