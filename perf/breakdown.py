@@ -28,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
 from bench_matrix import MODELS, RESET, _prompts  # noqa: E402
+from counters import counter_deltas, model_counters  # noqa: E402
 from loadgen import percentile  # noqa: E402
 from tokenrouter.tools import admin  # noqa: E402
 from tokenrouter.tools.cli import stream_generate  # noqa: E402
@@ -39,7 +40,7 @@ KEYS = ("steps", "decode_steps", "decode_step_forward_s", "resume_steps", "resum
 
 
 def measure(url: str, prompts, n_requests: int, max_tokens: int, router: str = "token_router"):
-    before = {m: admin.model_stats(url, m) for m in MODELS}
+    before = model_counters(url, KEYS, MODELS)
     itl, gaps = [], []
     for i in range(n_requests):
         stamps = []
@@ -48,8 +49,7 @@ def measure(url: str, prompts, n_requests: int, max_tokens: int, router: str = "
                               on_text=lambda s: stamps.append(time.perf_counter()), model=router)
         itl += [b - a for a, b in zip(stamps, stamps[1:])]
         gaps += out["routing_summary"].get("handoff_gap_s", [])
-    after = {m: admin.model_stats(url, m) for m in MODELS}
-    d = {m: {k: after[m][k] - before[m][k] for k in KEYS} for m in MODELS}
+    d = counter_deltas(before, model_counters(url, KEYS, MODELS))
     steps = sum(d[m]["steps"] for m in MODELS)
     res_steps = sum(d[m]["resume_steps"] for m in MODELS)
     res_fwd = sum(d[m]["resume_step_forward_s"] for m in MODELS)

@@ -125,6 +125,7 @@ __all__ = ["PROMPT_FORMAT", "INSTRUCTION", "load_problems", "select_problems", "
            "holm", "curve_table", "Point", "parse_points", "point_summary", "compare", "table", "plot", "router_tokenizer",
            "main"]
 
+from counters import counter_deltas, model_counters  # noqa: E402  (perf/)
 from sandbox import run_program  # noqa: E402  (perf/; re-exported)
 from tasks import TASKS, HumanEvalTask, Task, get_task  # noqa: E402  (perf/)
 
@@ -556,19 +557,6 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
 #: the models' step counters (``Subserver.stats``) a run records the increase of
 COUNTERS = ("steps", "decode_steps", "decode_tokens", "extend_tokens", "resume_steps", "forward_s",
             "decode_step_forward_s", "resume_step_forward_s", "step_time_s")
-
-
-def model_counters(url: str, models: Sequence[str] = ("slm", "llm")) -> Dict[str, Dict[str, float]]:
-    """Each model's step counters now (:data:`COUNTERS`, from ``admin.model_stats``)."""
-    from tokenrouter.tools import admin
-
-    return {m: {k: float(admin.model_stats(url, m).get(k, 0)) for k in COUNTERS} for m in models}
-
-
-def counter_deltas(before: Mapping[str, Mapping[str, float]], after: Mapping[str, Mapping[str, float]]
-                   ) -> Dict[str, Dict[str, float]]:
-    """The increase of every counter between two :func:`model_counters` snapshots."""
-    return {m: {k: after[m][k] - before[m][k] for k in before[m]} for m in before}
 
 
 def runs_on(data: Mapping[str, Any], task_ids: Sequence[str]) -> List[Dict[str, Any]]:
@@ -1200,9 +1188,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         data.setdefault("unscored", {})[tid] = ans
                         save_cache(path, data)
 
-                    before = model_counters(srv.grpc_url)
+                    before = model_counters(srv.grpc_url, COUNTERS)
                     _answers, run = run_point(srv.grpc_url, p, missing, prompts, a, on_answer=keep)
-                    run["model_time"] = counter_deltas(before, model_counters(srv.grpc_url))
+                    run["model_time"] = counter_deltas(before, model_counters(srv.grpc_url, COUNTERS))
                     data["runs"].append(run)
                     _finish_point(data, path, every, a)
                     row = point_summary(data, task_ids)

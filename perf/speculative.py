@@ -59,20 +59,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
+from counters import counter_deltas, model_counters  # noqa: E402
 from loadgen import SteadyLoad, load_tokenizer, triton_client, window_summary  # noqa: E402
 
 COUNTERS = ("forward_s", "steps", "verifications", "drafts_verified", "drafts_accepted", "draft_tokens",
             "step_time_s")
-
-
-def _stats(url: str):
-    from tokenrouter.tools import admin
-
-    return {m: {k: admin.model_stats(url, m).get(k, 0) for k in COUNTERS} for m in ("slm", "llm")}
-
-
-def _delta(a, b, model, key):
-    return b[model][key] - a[model][key]
 
 
 def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duration: float, windows: int,
@@ -92,25 +83,24 @@ def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duratio
         gen = task_sampling(gen, task)
     load = SteadyLoad(gen, prompts, n, max_tokens, tokenizer=tokenizer).start()
     try:
-        m = load.measure(duration, windows, probe=lambda: _stats(url), since=load.t_started)
+        m = load.measure(duration, windows, probe=lambda: model_counters(url, COUNTERS), since=load.t_started)
         records = load.snapshot()
     finally:
         load.stop(cancel=True)
     res = window_summary(records, m["bounds"], probes=None, latencies="completed")
-    a, b = m["probes"][0], m["probes"][-1]
-    d = {(mod, k): _delta(a, b, mod, k) for mod in ("slm", "llm") for k in COUNTERS}
-    res["acceptance_rate"] = (d["llm", "drafts_accepted"] / d["llm", "drafts_verified"]
-                              if d["llm", "drafts_verified"] else None)
-    v = d["llm", "verifications"]
-    res["verifications"] = v
-    res["tokens_per_round"] = (d["llm", "drafts_accepted"] + v) / v if v else None
-    res["drafts_per_round"] = d["slm", "draft_tokens"] / v if v else None
+    d = counter_deltas(m["probes"][0], m["probes"][-1])
+    res["acceptance_rate"] = (d["llm"]["drafts_accepted"] / d["llm"]["drafts_verified"]
+                              if d["llm"]["drafts_verified"] else None)
+    v = d["llm"]["verifications"]
+    res["verifications"] = int(v)
+    res["tokens_per_round"] = (d["llm"]["drafts_accepted"] + v) / v if v else None
+    res["drafts_per_round"] = d["slm"]["draft_tokens"] / v if v else None
     # mean forward time of one step (s): the LLM's steps are decodes (LLM-only) or verifications
     # (speculative: an extend of k + 1 tokens per request), the SLM's are drafting steps
-    res["t_step_llm_s"] = d["llm", "forward_s"] / d["llm", "steps"] if d["llm", "steps"] else None
-    res["t_step_slm_s"] = d["slm", "forward_s"] / d["slm", "steps"] if d["slm", "steps"] else None
-    res["llm_busy_share"] = d["llm", "step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
-    res["slm_busy_share"] = d["slm", "step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
+    res["t_step_llm_s"] = d["llm"]["forward_s"] / d["llm"]["steps"] if d["llm"]["steps"] else None
+    res["t_step_slm_s"] = d["slm"]["forward_s"] / d["slm"]["steps"] if d["slm"]["steps"] else None
+    res["llm_busy_share"] = d["llm"]["step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
+    res["slm_busy_share"] = d["slm"]["step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
     return res
 
 

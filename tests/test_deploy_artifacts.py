@@ -8,6 +8,10 @@ Kubernetes JSON schemas bundled in ``kubernetes-validate`` (offline), the PodMon
 against its basic shape, and the objects against one another (selectors, ports, Secret items,
 the remote_models list against the LLM StatefulSet). Finally the pods' own container
 arguments are fed to the entrypoint, which must render the repository each pod serves.
+
+The documentation ships with them: every relative link of the README and docs/ must reach a
+file, and its ``#fragment`` a heading of that file (parsed with markdown-it-py, anchors as
+GitHub makes them).
 """
 
 from __future__ import annotations
@@ -685,3 +689,60 @@ def test_pod_arguments_render_the_repository_each_pod_serves(tmp_path, overlay, 
             assert kinds == {cfg.instance_group[0].KIND_GPU if target == "gpu" else cfg.instance_group[0].KIND_CPU}
             if target == "gpu":
                 assert p["device"] == "cuda" and p["model_path"] == env[f"TOKENROUTER_{m.upper()}_PATH"]
+
+
+# ---------------------------------------------------------------- documentation links
+DOC_PAGES = ["README.md", "perf/results/README.md", *sorted(
+    os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "**", "*.md"), recursive=True))]
+
+
+def _md_tokens(path: str):
+    from markdown_it import MarkdownIt
+
+    with open(path, encoding="utf-8") as f:
+        return MarkdownIt("commonmark").enable("table").parse(f.read())
+
+
+def _anchors(path: str) -> set:
+    """The ``#fragment`` of every heading of a markdown page, as GitHub makes them: the heading's
+    text lower-cased, punctuation dropped, spaces made hyphens; a repeat gets ``-1``, ``-2``, ..."""
+    tokens, out, seen = _md_tokens(path), set(), {}
+    for i, t in enumerate(tokens):
+        if t.type != "heading_open":
+            continue
+        text = "".join(c.content for c in tokens[i + 1].children if c.type in ("text", "code_inline"))
+        slug = re.sub(r"[^\w\- ]", "", text.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def broken_links(page: str) -> list:
+    """``(href, why)`` for every relative link of markdown file ``page`` that reaches no file, or no
+    heading of it."""
+    bad = []
+    for t in _md_tokens(page):
+        for c in t.children or ():
+            href = c.attrGet("href") if c.type == "link_open" else None
+            if not href or re.match(r"[a-z][a-z0-9+.-]*:", href):  # none, or http:, mailto: ...
+                continue
+            path, _, fragment = href.partition("#")
+            target = os.path.normpath(os.path.join(os.path.dirname(page), path)) if path else page
+            if not os.path.exists(target):
+                bad.append((href, "no such file"))
+            elif fragment and target.endswith(".md") and fragment not in _anchors(target):
+                bad.append((href, "no such heading"))
+    return bad
+
+
+@pytest.mark.parametrize("page", DOC_PAGES)
+def test_doc_links_reach_a_file_and_a_heading(page):
+    assert broken_links(os.path.join(ROOT, page)) == []
+
+
+def test_a_broken_doc_link_is_found(tmp_path):
+    (tmp_path / "a.md").write_text("# Intro: `x` and B\\*\n\n## Intro: `x` and B\\*\n\n"
+                                   "[ok](#intro-x-and-b) [again](#intro-x-and-b-1) [web](https://example.com/n)\n"
+                                   "[gone](b.md) [lost](#no-heading) [ok too](a.md#intro-x-and-b)\n")
+    assert broken_links(str(tmp_path / "a.md")) == [("b.md", "no such file"), ("#no-heading", "no such heading")]

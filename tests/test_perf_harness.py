@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from counters import counter_deltas, model_counters  # perf/ (pytest.ini)
 from loadgen import (SteadyLoad, latency_stats, load_tokenizer, percentile, spread,  # perf/ (pytest.ini)
                      token_arrival_times, window_summary)
 
@@ -378,7 +379,7 @@ def test_steady_load_against_the_server(triton_server, tokenizer):
     prompts = ["Name a colour.", "Count to five."]
     load = SteadyLoad(url, prompts, 2, 6, tokenizer=tokenizer).start()
     try:
-        m = load.measure(3.0, windows=2, probe=lambda: {x: admin.model_stats(url, x) for x in ("slm", "llm")})
+        m = load.measure(3.0, windows=2, probe=lambda: model_counters(url, ("steps", "step_time_s", "no_such")))
     finally:
         recs = load.stop()
     ok = [r for r in recs if not r["error"]]
@@ -399,6 +400,8 @@ def test_steady_load_against_the_server(triton_server, tokenizer):
     else:
         assert math.isnan(s["ttft_p50_s"])
     assert 0 < s["busy_share"]["slm"]["mean"] <= 1.05
+    d = counter_deltas(m["probes"][0], m["probes"][-1])  # the models' counters over the period
+    assert d["slm"]["steps"] > 0 and d["slm"]["step_time_s"] > 0 and d["slm"]["no_such"] == 0.0
     for x in ("slm", "llm"):
         assert admin.model_stats(url, x)["kv_tokens_in_use"] == 0
 

@@ -28,9 +28,9 @@ the same values, so one dispatcher on the model side
 A request's types, from arrival to token (as SGLang's ``schedule_batch.py`` names a
 batch's: ScheduleBatch -> ModelWorkerBatch -> ForwardBatch):
 
-    Triton request -> _Job -> RoutedRequest -> PeerReq -> LocalRequest -> Sequence
+    Triton request -> ClientRequest -> RoutedRequest -> PeerReq -> LocalRequest -> Sequence
 
-* ``_Job`` (:mod:`tokenrouter.triton.router_model`): one client request in the router stub,
+* :class:`~tokenrouter.triton.request.ClientRequest`: one client request in the router stub,
   parsed and checked: its response sender, prompt token ids,
   :class:`~tokenrouter.engine.sampling.SamplingParams`, algorithm parameters, output switches.
 * :class:`~tokenrouter.routing.router_core.RoutedRequest`: the router's whole view while

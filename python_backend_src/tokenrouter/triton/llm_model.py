@@ -60,14 +60,8 @@ GPU hosts: ``device`` (``auto`` default, ``cuda``, ``cpu``), ``attention_backend
 ``prefix_cache`` (``true``/``false``: reuse the KV of cached prompt prefixes across requests,
 :mod:`tokenrouter.engine.prefix_cache`; op ``configure`` switches it at run time); a ``KIND_GPU``
 instance runs on the GPU Triton gives it (``instance_group { kind: KIND_GPU gpus: [i] }``).
-Custom metrics on Triton's metrics endpoint:
-``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
-``tokenrouter_extend_tokens_total``, ``tokenrouter_decode_tokens_total``,
-``tokenrouter_active_requests``; the prefix cache's, named as vLLM's (``vllm:prefix_cache_queries``,
-``vllm:prefix_cache_hits``), all in tokens: ``tokenrouter_prefix_cache_queries_total``,
-``tokenrouter_prefix_cache_hits_total``, ``tokenrouter_prefix_cache_tokens`` (KV the cache holds),
-``tokenrouter_prefix_cache_evictable_tokens`` (of those, read by no request),
-``tokenrouter_prefix_cache_evicted_tokens_total`` (label ``model``).
+Custom metrics on Triton's metrics endpoint (KV in use, tokens run through extend and decode,
+handoffs, the prefix cache's; label ``model``): declared in :data:`tokenrouter.triton.metrics.MODEL_FAMILIES`.
 """
 
 from __future__ import annotations
@@ -97,6 +91,7 @@ from ..protocol import Failed, ModelEvent, OpWire, encode_event, is_final
 from . import model_control
 from .messages import CloseIO, ErrorReply, TokensReply
 from .common import model_parameters
+from .metrics import ModelMetrics
 from .settings import LLMSettings
 
 logger = logging.getLogger(__name__)
@@ -247,47 +242,11 @@ class TritonPythonModel:
 
     # --------------------------------------------------------------- metrics
     def init_metrics(self) -> None:
-        """The model's metric families (module docstring) and the snapshot the loop thread fills."""
+        """The model's metric families (:class:`~tokenrouter.triton.metrics.ModelMetrics`) and the
+        snapshot the loop thread fills."""
         self._metrics_snapshot = None
         self._metrics_dirty = threading.Event()
-        # gauges are set from the loop's snapshot; counters advance by the snapshot's increase
-        G, C = pb_utils.MetricFamily.GAUGE, pb_utils.MetricFamily.COUNTER
-        fams = {
-            "kv_tokens_in_use": ("tokenrouter_kv_tokens_in_use", "KV token slots allocated (running + pending)", G),
-            "kv_rows_in_use": ("tokenrouter_kv_rows_in_use", "KV request rows held (running + pending)", G),
-            "active": ("tokenrouter_active_requests", "requests held by the model (running + pending)", G),
-            "extend_tokens": ("tokenrouter_extend_tokens_total", "tokens run through extend (prefill + resume)", C),
-            "decode_tokens": ("tokenrouter_decode_tokens_total", "tokens run through decode", C),
-            "handoffs_out": ("tokenrouter_handoffs_out_total", "requests handed to a peer", C),
-            "prefix_cache_queries": ("tokenrouter_prefix_cache_queries_total",
-                                     "prompt tokens looked up in the prefix cache", C),
-            "prefix_cache_hits": ("tokenrouter_prefix_cache_hits_total",
-                                  "prompt tokens whose KV the prefix cache held", C),
-            "prefix_cache_tokens": ("tokenrouter_prefix_cache_tokens", "KV tokens the prefix cache holds", G),
-            "prefix_cache_evictable_tokens": ("tokenrouter_prefix_cache_evictable_tokens",
-                                              "KV tokens the prefix cache holds that no request reads", G),
-            "prefix_cache_evicted_tokens": ("tokenrouter_prefix_cache_evicted_tokens_total",
-                                            "KV tokens evicted from the prefix cache", C),
-        }
-        self._metrics = {}
-        self._counted: Dict[str, float] = {}  # counter key -> value published so far
-        self._families = []
-        for key, (name, desc, kind) in fams.items():
-            fam = pb_utils.MetricFamily(name=name, description=desc, kind=kind)
-            self._families.append(fam)
-            self._metrics[key] = fam.Metric(labels={"model": self.name})
-            if kind == C:
-                self._counted[key] = 0.0
-
-    def _refresh_metrics(self, snap: Dict[str, Any]) -> None:
-        for key, m in self._metrics.items():
-            v = float(snap[key])
-            if key in self._counted:
-                if v > self._counted[key]:
-                    m.increment(v - self._counted[key])
-                    self._counted[key] = v
-            else:
-                m.set(v)
+        self._metrics = ModelMetrics(pb_utils, self.name)
 
     def _refresh_metrics_idle(self) -> None:
         # on the loop thread whenever nothing is ready: snapshot the counters (cheap);
@@ -308,7 +267,7 @@ class TritonPythonModel:
         snap = self._metrics_snapshot
         if snap is not None and snap != published:
             try:
-                self._refresh_metrics(snap)
+                self._metrics.publish(snap)
                 return snap
             except Exception:  # noqa: BLE001 - metrics must never stop serving
                 logger.debug("metrics update failed", exc_info=True)
@@ -550,8 +509,7 @@ class TritonPythonModel:
         self._io_thread.join(timeout=5)
         # free the metric families now, while the stub's shared memory is alive: left to the
         # interpreter's final garbage collection, their destructors crash the stub on exit
-        self._metrics.clear()
-        self._families.clear()
+        self._metrics.close()
         for path in self._ring_paths:  # lock-step turn files (/dev/shm)
             try:
                 os.unlink(path)

@@ -1,6 +1,8 @@
-"""LLM-serving metrics of ``token_router`` on Triton's metrics endpoint.
+"""tokenrouter's metrics on Triton's metrics endpoint: every family is declared once, as a
+:class:`Family` in a table, and created with :class:`Families`.
 
-Named as Triton's vllm_backend names its own (``vllm:…``), with the prefix
+The router's LLM-serving metrics (:data:`ROUTER_FAMILIES`, :class:`RouterMetrics`) are
+named as Triton's vllm_backend names its own (``vllm:…``), with the prefix
 ``tokenrouter:``; every series has the labels ``model`` and ``version`` of the
 router model (as vllm_backend's), so several router models can share a server.
 
@@ -34,24 +36,94 @@ Gauges
     ``tokenrouter:num_requests_running``          requests being driven through the models
     ``tokenrouter:num_requests_waiting``          accepted, waiting for a router worker
 
-The per-model KV gauges (``tokenrouter_kv_tokens_in_use`` …) and the prefix cache's
-counters, named as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits`` (tokens:
-``tokenrouter_prefix_cache_queries_total``, ``…_hits_total``, ``…_evicted_tokens_total``;
-gauges ``tokenrouter_prefix_cache_tokens``, ``…_evictable_tokens``) are published by
-the model subservers (:mod:`tokenrouter.triton.llm_model`).
+Each model subserver (:mod:`tokenrouter.triton.llm_model`) publishes its own
+(:data:`MODEL_FAMILIES`, :class:`ModelMetrics`; label ``model``): the KV gauges
+``tokenrouter_kv_tokens_in_use``, ``tokenrouter_kv_rows_in_use``,
+``tokenrouter_active_requests``; the token counters ``tokenrouter_extend_tokens_total``,
+``tokenrouter_decode_tokens_total``, ``tokenrouter_handoffs_out_total``; and the prefix cache's,
+named as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``, all in tokens:
+``tokenrouter_prefix_cache_queries_total``, ``tokenrouter_prefix_cache_hits_total``,
+``tokenrouter_prefix_cache_evicted_tokens_total``, gauges ``tokenrouter_prefix_cache_tokens``
+(KV the cache holds) and ``tokenrouter_prefix_cache_evictable_tokens`` (of those, read by no request).
 
 Every call into ``pb_utils`` is an IPC to the server, so :class:`RouterMetrics`
 is used from one thread only (the router's client I/O thread); request threads
-hand it :class:`RequestObservation` records.
+hand it :class:`RequestObservation` records.  :class:`ModelMetrics` is used from a
+model's Triton I/O thread only.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-__all__ = ["RouterMetrics", "RequestObservation", "observe_request", "METRIC_NAMES",
-           "TTFT_BUCKETS", "TPOT_BUCKETS", "E2E_BUCKETS", "HANDOFF_BUCKETS", "FAILURE_REASONS", "BUSY_REASONS"]
+__all__ = ["Family", "Families", "RouterMetrics", "ModelMetrics", "RequestObservation", "observe_request",
+           "ROUTER_FAMILIES", "MODEL_FAMILIES", "METRIC_NAMES", "TTFT_BUCKETS", "TPOT_BUCKETS", "E2E_BUCKETS",
+           "HANDOFF_BUCKETS", "FAILURE_REASONS", "BUSY_REASONS"]
+
+
+@dataclass(frozen=True)
+class Family:
+    """The declaration of one metric family.
+
+    Attributes:
+        name: the family's full name, as it appears on the metrics endpoint.
+        kind: ``counter``, ``gauge`` or ``histogram``.
+        description: the family's help text.
+        buckets: a histogram's bucket upper bounds, in the family's unit (None for the other kinds).
+    """
+
+    name: str
+    kind: str
+    description: str
+    buckets: Optional[Tuple[float, ...]] = None
+
+
+class Families:
+    """Declared metric families, created on Triton's metrics endpoint, and their series.
+
+    Every call into ``pb_utils`` is an IPC to the server: use one object from one thread only.
+
+    Args:
+        pb_utils: the ``triton_python_backend_utils`` module.
+        declared: key → :class:`Family`; the keys name the families in :meth:`series`.
+        labels: the labels every series carries (updated by :meth:`series`' own).
+
+    Raises:
+        KeyError: a family's kind is not ``counter``, ``gauge`` or ``histogram``.
+        Whatever ``pb_utils.MetricFamily`` raises (e.g. a server without metrics).
+    """
+
+    def __init__(self, pb_utils, declared: Mapping[str, Family], labels: Optional[Mapping[str, str]] = None):
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE,
+                 "histogram": pb_utils.MetricFamily.HISTOGRAM}
+        self._declared = dict(declared)
+        self._families = {key: pb_utils.MetricFamily(name=f.name, description=f.description, kind=kinds[f.kind])
+                          for key, f in self._declared.items()}
+        self._base = dict(labels or {})
+        self._series: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], Any] = {}
+
+    def series(self, key: str, **labels: str):
+        """The series of family ``key`` with the base labels updated by ``labels`` (created at the first call).
+
+        Raises:
+            KeyError: ``key`` is not a declared family (or the families were closed).
+        """
+        lab = {**self._base, **labels}
+        k = (key, tuple(sorted(lab.items())))
+        s = self._series.get(k)
+        if s is None:
+            fam, buckets = self._families[key], self._declared[key].buckets
+            s = fam.Metric(labels=lab, buckets=list(buckets)) if buckets is not None else fam.Metric(labels=lab)
+            self._series[k] = s
+        return s
+
+    def close(self) -> None:
+        """Drop every series and family (call in ``finalize`` while the stub is alive: left to the
+        interpreter's final garbage collection, their destructors crash the stub on exit)."""
+        self._series.clear()
+        self._families.clear()
+
 
 PREFIX = "tokenrouter:"
 #: ``reason`` label values of ``request_failure_total``
@@ -59,41 +131,66 @@ FAILURE_REASONS = ("cancelled", "error", "invalid", "refused")
 #: ``reason`` label values of ``request_busy_total``
 BUSY_REASONS = ("queue_full", "queue_timeout")
 #: vllm_backend's buckets (vLLM's ``Metrics``), seconds
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
-TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0]
-E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-               240.0, 480.0, 960.0, 1920.0, 7680.0]
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0, 960.0, 1920.0, 7680.0)
 #: handoffs are IPC round trips plus the peer's extend step: finer at the low end
-HANDOFF_BUCKETS = [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                   30.0]
+HANDOFF_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0)
 
-#: short name → (kind, description, buckets or None)
-_FAMILIES: Dict[str, Tuple[str, str, Optional[List[float]]]] = {
-    "time_to_first_token_seconds": ("HISTOGRAM", "Time to first token (arrival to first output token)",
-                                    TTFT_BUCKETS),
-    "time_per_output_token_seconds": ("HISTOGRAM", "Mean time per output token after the first, per request",
-                                      TPOT_BUCKETS),
-    "e2e_request_latency_seconds": ("HISTOGRAM", "End-to-end request latency", E2E_BUCKETS),
-    "request_queue_time_seconds": ("HISTOGRAM", "Arrival to the start of the request's first forward step",
-                                   E2E_BUCKETS),
-    "handoff_latency_seconds": ("HISTOGRAM", "Handoff event to the peer model's first response",
-                                HANDOFF_BUCKETS),
-    "prompt_tokens_total": ("COUNTER", "Prompt tokens processed", None),
-    "generation_tokens_total": ("COUNTER", "Output tokens generated, by the model that wrote them", None),
-    "request_success_total": ("COUNTER", "Requests finished, by finish reason", None),
-    "request_failure_total": ("COUNTER", "Requests cancelled or failed", None),
-    "handoffs_total": ("COUNTER", "Handoffs between models, by pair", None),
-    "request_busy_total": ("COUNTER", "Requests answered busy (a full queue or a queue timeout)", None),
-    "spec_decode_num_drafts_total": ("COUNTER", "Speculative decoding: verification rounds", None),
-    "spec_decode_num_draft_tokens_total": ("COUNTER", "Speculative decoding: drafted tokens verified", None),
-    "spec_decode_num_accepted_tokens_total": ("COUNTER", "Speculative decoding: drafted tokens accepted", None),
-    "num_requests_running": ("GAUGE", "Requests being driven through the models", None),
-    "num_requests_waiting": ("GAUGE", "Requests waiting for a router worker", None),
+
+def _router(short: str, kind: str, description: str, buckets: Optional[Tuple[float, ...]] = None) -> Family:
+    return Family(PREFIX + short, kind, description, buckets)
+
+
+#: the router's families (module docstring), by short name
+ROUTER_FAMILIES: Dict[str, Family] = {f.name[len(PREFIX):]: f for f in (
+    _router("time_to_first_token_seconds", "histogram", "Time to first token (arrival to first output token)",
+            TTFT_BUCKETS),
+    _router("time_per_output_token_seconds", "histogram", "Mean time per output token after the first, per request",
+            TPOT_BUCKETS),
+    _router("e2e_request_latency_seconds", "histogram", "End-to-end request latency", E2E_BUCKETS),
+    _router("request_queue_time_seconds", "histogram", "Arrival to the start of the request's first forward step",
+            E2E_BUCKETS),
+    _router("handoff_latency_seconds", "histogram", "Handoff event to the peer model's first response",
+            HANDOFF_BUCKETS),
+    _router("prompt_tokens_total", "counter", "Prompt tokens processed"),
+    _router("generation_tokens_total", "counter", "Output tokens generated, by the model that wrote them"),
+    _router("request_success_total", "counter", "Requests finished, by finish reason"),
+    _router("request_failure_total", "counter", "Requests cancelled or failed"),
+    _router("handoffs_total", "counter", "Handoffs between models, by pair"),
+    _router("request_busy_total", "counter", "Requests answered busy (a full queue or a queue timeout)"),
+    _router("spec_decode_num_drafts_total", "counter", "Speculative decoding: verification rounds"),
+    _router("spec_decode_num_draft_tokens_total", "counter", "Speculative decoding: drafted tokens verified"),
+    _router("spec_decode_num_accepted_tokens_total", "counter", "Speculative decoding: drafted tokens accepted"),
+    _router("num_requests_running", "gauge", "Requests being driven through the models"),
+    _router("num_requests_waiting", "gauge", "Requests waiting for a router worker"),
+)}
+#: full metric family names of the router, as they appear on the metrics endpoint
+METRIC_NAMES = [f.name for f in ROUTER_FAMILIES.values()]
+
+#: a model subserver's families (module docstring), by the key of the snapshot that sets them
+MODEL_FAMILIES: Dict[str, Family] = {
+    "kv_tokens_in_use": Family("tokenrouter_kv_tokens_in_use", "gauge", "KV token slots allocated (running + pending)"),
+    "kv_rows_in_use": Family("tokenrouter_kv_rows_in_use", "gauge", "KV request rows held (running + pending)"),
+    "active": Family("tokenrouter_active_requests", "gauge", "requests held by the model (running + pending)"),
+    "extend_tokens": Family("tokenrouter_extend_tokens_total", "counter",
+                            "tokens run through extend (prefill + resume)"),
+    "decode_tokens": Family("tokenrouter_decode_tokens_total", "counter", "tokens run through decode"),
+    "handoffs_out": Family("tokenrouter_handoffs_out_total", "counter", "requests handed to a peer"),
+    "prefix_cache_queries": Family("tokenrouter_prefix_cache_queries_total", "counter",
+                                   "prompt tokens looked up in the prefix cache"),
+    "prefix_cache_hits": Family("tokenrouter_prefix_cache_hits_total", "counter",
+                                "prompt tokens whose KV the prefix cache held"),
+    "prefix_cache_tokens": Family("tokenrouter_prefix_cache_tokens", "gauge", "KV tokens the prefix cache holds"),
+    "prefix_cache_evictable_tokens": Family("tokenrouter_prefix_cache_evictable_tokens", "gauge",
+                                            "KV tokens the prefix cache holds that no request reads"),
+    "prefix_cache_evicted_tokens": Family("tokenrouter_prefix_cache_evicted_tokens_total", "counter",
+                                          "KV tokens evicted from the prefix cache"),
 }
-#: full metric family names, as they appear on the metrics endpoint
-METRIC_NAMES = [PREFIX + k for k in _FAMILIES]
 
 
 @dataclass
@@ -173,15 +270,8 @@ class RouterMetrics:
     """
 
     def __init__(self, pb_utils, model: str, version: str, models: List[str]):
-        self._families = {}
-        kinds = {"HISTOGRAM": pb_utils.MetricFamily.HISTOGRAM, "COUNTER": pb_utils.MetricFamily.COUNTER,
-                 "GAUGE": pb_utils.MetricFamily.GAUGE}
-        for short, (kind, desc, _) in _FAMILIES.items():
-            self._families[short] = pb_utils.MetricFamily(name=PREFIX + short, description=desc,
-                                                          kind=kinds[kind])
-        base = {"model": model, "version": str(version)}
-        self._base = base
-        self._series: Dict[Tuple[str, Tuple[Tuple[str, str], ...]], Any] = {}
+        self._families = Families(pb_utils, ROUTER_FAMILIES, {"model": model, "version": str(version)})
+        self._get = self._families.series
         self._gauges = {"running": None, "waiting": None}
         # create the fixed series now: dashboards see them (at 0) before any request
         for short in ("time_to_first_token_seconds", "time_per_output_token_seconds",
@@ -202,18 +292,6 @@ class RouterMetrics:
                 if a != b:
                     self._get("handoffs_total", **{"from": a, "to": b})
                     self._get("handoff_latency_seconds", **{"from": a, "to": b})
-
-    def _get(self, short: str, **labels: str):
-        """The series of family ``short`` with the base labels updated by ``labels`` (created once)."""
-        lab = {**self._base, **labels}
-        key = (short, tuple(sorted(lab.items())))
-        s = self._series.get(key)
-        if s is None:
-            buckets = _FAMILIES[short][2]
-            fam = self._families[short]
-            s = fam.Metric(labels=lab, buckets=buckets) if buckets is not None else fam.Metric(labels=lab)
-            self._series[key] = s
-        return s
 
     def record(self, ob: RequestObservation) -> None:
         """Add one finished request (see :class:`RequestObservation`)."""
@@ -260,5 +338,46 @@ class RouterMetrics:
 
     def close(self) -> None:
         """Drop every series and family (call in ``finalize`` while the stub is alive)."""
+        self._families.close()
+
+
+class ModelMetrics:
+    """A model subserver's metric families (:data:`MODEL_FAMILIES`), one series each, label ``model``
+    (use from one thread).
+
+    Args:
+        pb_utils: the ``triton_python_backend_utils`` module.
+        model: the model's name.
+
+    Raises:
+        Whatever ``pb_utils.MetricFamily`` raises (e.g. a server without metrics).
+    """
+
+    def __init__(self, pb_utils, model: str):
+        self._families = Families(pb_utils, MODEL_FAMILIES, {"model": model})
+        self._series = {key: self._families.series(key) for key in MODEL_FAMILIES}
+        #: counter key -> the value published so far (counters advance by a snapshot's increase)
+        self._counted: Dict[str, float] = {k: 0.0 for k, f in MODEL_FAMILIES.items() if f.kind == "counter"}
+
+    def publish(self, snapshot: Mapping[str, float]) -> None:
+        """Publish one snapshot of the model's counters: a gauge is set to its value, a counter
+        advances by its increase since the last snapshot (a decrease is ignored).
+
+        Args:
+            snapshot: a value for every key of :data:`MODEL_FAMILIES` (tokens, rows or requests).
+
+        Raises:
+            KeyError: a key is missing (nothing is published after :meth:`close`).
+        """
+        for key, series in self._series.items():
+            v = float(snapshot[key])
+            if key not in self._counted:
+                series.set(v)
+            elif v > self._counted[key]:
+                series.increment(v - self._counted[key])
+                self._counted[key] = v
+
+    def close(self) -> None:
+        """Drop every series and family (call in ``finalize`` while the stub is alive)."""
         self._series.clear()
-        self._families.clear()
+        self._families.close()

@@ -7,40 +7,46 @@ from __future__ import annotations
 
 from typing import List
 
-__all__ = ["OnlineMetrics"]
+from .metrics import Families, Family
+
+__all__ = ["OnlineMetrics", "ONLINE_FAMILIES"]
+
+#: the adaptation's metric families (labels: see :class:`OnlineMetrics`)
+ONLINE_FAMILIES = {
+    "B": Family("tokenrouter_batch_threshold", "gauge",
+                "delayed-batching threshold B_i the model uses now (online B* adaptation)"),
+    "solves": Family("tokenrouter_batch_threshold_solves_total", "counter", "B* re-solves of the online adaptation"),
+    "changes": Family("tokenrouter_batch_threshold_changes_total", "counter",
+                      "adaptation rounds that changed some model's threshold"),
+    "T": Family("tokenrouter_batch_threshold_predicted_tokens_per_s", "gauge",
+                "throughput the last B* solve predicts for the thresholds in use (tokens/s)"),
+    "N": Family("tokenrouter_batch_threshold_concurrency", "gauge", "concurrency N the last B* solve used"),
+}
 
 
 class OnlineMetrics:
-    """The adaptation's metric families (module docstring of :mod:`tokenrouter.routing.online_bstar`),
-    created and used on the thread allowed to call pb_utils.
+    """The adaptation's metric families (:data:`ONLINE_FAMILIES`; module docstring of
+    :mod:`tokenrouter.routing.online_bstar`), created and used on the thread allowed to call pb_utils.
 
     Args:
         pb: ``triton_python_backend_utils``.
         router: the router's model name (label ``router``).
         models: the router's models (label ``model`` of ``tokenrouter_batch_threshold``).
+
+    Raises:
+        Whatever ``pb.MetricFamily`` raises (e.g. a server without metrics).
     """
 
     def __init__(self, pb, router: str, models: List[str]):
-        G, C = pb.MetricFamily.GAUGE, pb.MetricFamily.COUNTER
-        fam = {
-            "B": ("tokenrouter_batch_threshold", "delayed-batching threshold B_i the model uses now "
-                  "(online B* adaptation)", G),
-            "solves": ("tokenrouter_batch_threshold_solves_total", "B* re-solves of the online adaptation", C),
-            "changes": ("tokenrouter_batch_threshold_changes_total", "adaptation rounds that changed some "
-                        "model's threshold", C),
-            "T": ("tokenrouter_batch_threshold_predicted_tokens_per_s", "throughput the last B* solve predicts "
-                  "for the thresholds in use (tokens/s)", G),
-            "N": ("tokenrouter_batch_threshold_concurrency", "concurrency N the last B* solve used", G),
-        }
-        self._families = {k: pb.MetricFamily(name=n, description=d, kind=kind) for k, (n, d, kind) in fam.items()}
-        self.threshold = {m: self._families["B"].Metric(labels={"model": m, "router": router}) for m in models}
-        self.solves = self._families["solves"].Metric(labels={"router": router})
-        self.changes = self._families["changes"].Metric(labels={"router": router})
-        self.predicted = self._families["T"].Metric(labels={"router": router})
-        self.concurrency = self._families["N"].Metric(labels={"router": router})
+        self._families = Families(pb, ONLINE_FAMILIES, {"router": router})
+        self.threshold = {m: self._families.series("B", model=m) for m in models}
+        self.solves = self._families.series("solves")
+        self.changes = self._families.series("changes")
+        self.predicted = self._families.series("T")
+        self.concurrency = self._families.series("N")
 
     def close(self) -> None:
-        """Free the metric objects while the stub is alive (see triton_llm.finalize)."""
+        """Free the metric objects while the stub is alive (:meth:`~tokenrouter.triton.metrics.Families.close`)."""
         self.threshold.clear()
         self.solves = self.changes = self.predicted = self.concurrency = None
-        self._families.clear()
+        self._families.close()
