@@ -330,7 +330,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
             problems.append(f"a {r['kind']} request hung for {request_timeout_s:.0f} s")
         elif r["kind"] == "bad" and r["outcome"] != "error":
             problems.append(f"a malformed request was not rejected: {r}")
-        elif r["kind"] == "hostile" and not (r["outcome"] == "error" and "the limit is" in r["error"]):
+        elif r["kind"] == "hostile" and not (r["outcome"] == "error" and (
+                "the limit is" in r["error"] or (kill_stub and _down_error(r["error"])))):  # refused either way
             problems.append(f"a hostile request ({r['hostile']}) was not refused naming its limit: "
                             f"{r['outcome']} {r['error'][:200]}")
         elif r["kind"] in ("stream", "plain") and r["outcome"] == "busy":
