@@ -15,8 +15,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # torch; without this, `import transformers` fails in host-side tests with
 # "operator torchvision::nms does not exist". No-op where CUDA is present.
 from tokenrouter.engine.cpu import install as _cpu_compat  # noqa: E402
+from tokenrouter.engine.cpu.kernel_caches import bound_kernel_caches  # noqa: E402
+from tokenrouter.engine.config import EngineConfig  # noqa: E402
 
 _cpu_compat()
+# The libraries read their kernel-cache capacities once, at the process's first oneDNN primitive: a
+# model process bounds them as its engine loads (before any other torch work); in this process other
+# tests run torch first, so the engines built here get the same bound now.
+bound_kernel_caches(EngineConfig.__dataclass_fields__["cpu_kernel_cache_entries"].default)
 
 
 @pytest.fixture(scope="session")
