@@ -96,6 +96,7 @@ def test_router_remote_models_and_their_checks(weights):
     ({"transport": "http"}, "transport must be one of \\('zmq', 'triton'\\), got 'http'"),
     ({"on_peer_failure": "retry"}, "on_peer_failure must be one of"),
     ({"peer_restart_s": "0"}, "peer_restart_s must be > 0"),
+    ({"init_timeout_s": "-1"}, "'init_timeout_s' must be >= 0"),
     ({"heartbeat_interval_s": "3"}, "heartbeat_interval_s \\(3.0\\) and heartbeat_timeout_s"),
     ({"max_input_bytes": "0"}, "max_input_bytes must be >= 1"),
     ({"max_queued_requests": "-1"}, "max_queued_requests >= 0"),
@@ -183,6 +184,7 @@ def test_llm_overrides_one_of_each_kind(weights):
     ({"dtype": "bf16"}, "dtype must be one of auto, float32, bfloat16, float16, got 'bf16'"),
     ({"cpu_linear_weights": "fast"}, "cpu_linear_weights must be one of dual, packed, rowmajor"),
     ({"drain_timeout_s": "-1"}, "drain_timeout_s must be >= 0"),
+    ({"init_timeout_s": "-1"}, "init_timeout_s must be >= 0"),
     ({"curve": "maybe"}, "config parameter 'curve' must be on or off"),
 ])
 def test_llm_refuses_a_bad_value_naming_it(weights, params, message):

@@ -91,6 +91,7 @@ from ..protocol import Failed, ModelEvent, OpWire, encode_event, is_final
 from . import model_control
 from .messages import CloseIO, ErrorReply, TokensReply
 from .common import model_parameters
+from .init_watchdog import InitWatchdog
 from .metrics import ModelMetrics
 from .settings import LLMSettings
 
@@ -142,18 +143,23 @@ class TritonPythonModel:
         the engine (weights, KV pool) and the subserver, open the inter-model channel, advertise its
         endpoint and start the Triton I/O thread.
 
+        Each step after the settings is logged as it starts and the whole load is bounded by
+        ``init_timeout_s`` (:class:`~tokenrouter.triton.init_watchdog.InitWatchdog`: past it, every
+        thread's stack goes to Triton's log and the stub ends, failing the load).
+
         Raises:
             pb_utils.TritonModelException: a bad config (the load fails; the message names the parameter).
         """
         self.init_settings(args)
-        self.init_scheduling()
-        self.init_engine(args)
-        self.init_events()
-        self.init_metrics()
-        self.init_subserver()
-        self.init_channel()
-        self._start_liveness()
-        self.init_io_thread()
+        with InitWatchdog(self.name, self.settings.init_timeout_s, log=pb_utils.Logger.log_info) as watch:
+            watch.run(self.init_scheduling)
+            watch.run(self.init_engine, args)
+            watch.run(self.init_events)
+            watch.run(self.init_metrics)
+            watch.run(self.init_subserver)
+            watch.run(self.init_channel)
+            watch.run(self._start_liveness)
+            watch.run(self.init_io_thread)
 
     def init_settings(self, args: Dict[str, Any]) -> None:
         """Read the model config once: ``self.settings`` (:class:`~tokenrouter.triton.settings.LLMSettings`).

@@ -82,6 +82,7 @@ from ..routing.peer import PeerClient, PeerDownError, read_advert, remove_advert
 from ..protocol import FinishReason
 from ..routing.router_core import drive, make_header
 from .common import model_parameters
+from .init_watchdog import InitWatchdog
 from .messages import (BusyCount, BusyReply, EndpointQuery, ErrorReply, FinalOutputs, IOCall, RequestMetrics,
                        TextChunk)
 from .metrics import RouterMetrics, observe_request
@@ -139,21 +140,24 @@ class TritonPythonModel:
 
     def initialize(self, args: Dict[str, Any]) -> None:
         """Triton's model load, one ``init_*`` step after the other: read the config parameters,
-        load the tokenizer and the algorithm, connect to the models, start the threads.
+        load the tokenizer and the algorithm, connect to the models, start the threads; each step
+        after the settings logged as it starts, the load bounded by ``init_timeout_s``
+        (:class:`~tokenrouter.triton.init_watchdog.InitWatchdog`).
 
         Raises:
             pb_utils.TritonModelException: a bad config (the load fails; the message names the parameter).
         """
         self.init_settings(args)
-        self.init_tokenizer()
-        self.init_algorithm()
-        self.init_limits()
-        self.init_parser()
-        self.init_workers()
-        self.init_peers()
-        self.init_metrics(args)
-        self.init_online()
-        self.init_threads()
+        with InitWatchdog(self._name, self.settings.init_timeout_s, log=pb_utils.Logger.log_info) as watch:
+            watch.run(self.init_tokenizer)
+            watch.run(self.init_algorithm)
+            watch.run(self.init_limits)
+            watch.run(self.init_parser)
+            watch.run(self.init_workers)
+            watch.run(self.init_peers)
+            watch.run(self.init_metrics, args)
+            watch.run(self.init_online)
+            watch.run(self.init_threads)
 
     def init_settings(self, args: Dict[str, Any]) -> None:
         """Read the model config once: ``self.settings``

@@ -224,6 +224,9 @@ class RouterSettings:
         heartbeat_interval_s: seconds between two pings of a remote replica. Default 0.5.
         heartbeat_timeout_s: seconds without an answer after which a remote replica is down
             (> ``heartbeat_interval_s`` with ``transport: zmq``). Default 2.
+        init_timeout_s: seconds the router's load may take before its stub writes every thread's
+            stack to Triton's log and ends (:class:`~tokenrouter.triton.init_watchdog.InitWatchdog`);
+            0 = no bound. Default 900.
         curve: CURVE on TCP (``curve`` on by default, ``curve_secret_key_file``,
             ``curve_server_public_keys``; :class:`~tokenrouter.routing.curve.CurveSettings`).
         online: the ``online_*`` parameters (:class:`~tokenrouter.routing.online_bstar.OnlineSettings`;
@@ -245,6 +248,7 @@ class RouterSettings:
     peer_timeout_s: float = 600.0
     heartbeat_interval_s: float = 0.5
     heartbeat_timeout_s: float = 2.0
+    init_timeout_s: float = 900.0
     curve: CurveSettings = CurveSettings()
     online: OnlineSettings = OnlineSettings()
 
@@ -294,6 +298,9 @@ class RouterSettings:
         if transport == "zmq" and not 0 < heartbeat_s < heartbeat_timeout_s:
             raise ValueError(f"config parameters heartbeat_interval_s ({heartbeat_s}) and heartbeat_timeout_s "
                              f"({heartbeat_timeout_s}) need 0 < heartbeat_interval_s < heartbeat_timeout_s")
+        init_timeout_s = get("init_timeout_s", cls.init_timeout_s, float)
+        if init_timeout_s < 0:
+            raise ValueError(f"config parameter 'init_timeout_s' must be >= 0, got {init_timeout_s}")
         curve = CurveSettings(enabled=curve_enabled(get("curve", "")),
                               secret_key_file=get("curve_secret_key_file", ""),
                               server_public_keys=get("curve_server_public_keys", ""))
@@ -302,7 +309,8 @@ class RouterSettings:
                    context_length=context_length, max_concurrent_requests=workers, limits=limits,
                    remote_models=remote, on_peer_failure=mode, peer_restart_s=restart_s, transport=transport,
                    peer_timeout_s=get("peer_timeout_s", cls.peer_timeout_s, float), heartbeat_interval_s=heartbeat_s,
-                   heartbeat_timeout_s=heartbeat_timeout_s, curve=curve, online=online)
+                   heartbeat_timeout_s=heartbeat_timeout_s, init_timeout_s=init_timeout_s, curve=curve,
+                   online=online)
 
 
 # ------------------------------------------------------------------------------------------ LLM
@@ -365,6 +373,10 @@ class LLMSettings:
         "the inter-model channel; ``tcp://0.0.0.0:PORT`` serves routers of other servers"))
     router_timeout_s: float = param(10.0, unit="s", ge=0, doc=(
         "a router silent this long (TCP; routers ping every 0.5 s) has its requests released"))
+    init_timeout_s: float = param(900.0, unit="s", ge=0, doc=(
+        "bound on the model's load (weights included): past it, every thread's stack goes to "
+        "Triton's log and the stub process ends, so the load fails instead of hanging; 0: no bound "
+        "(:class:`~tokenrouter.triton.init_watchdog.InitWatchdog`)"))
     curve: CurveSettings = CurveSettings()
 
     def __post_init__(self) -> None:
