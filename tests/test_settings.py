@@ -12,7 +12,7 @@ import pytest
 
 from tokenrouter.algorithms import configure
 from tokenrouter.engine.config import EngineConfig, SubserverConfig
-from tokenrouter.engine.parameters import shown_default
+from tokenrouter.engine.parameters import declarations as declarations_of, shown_default
 from tokenrouter.engine.sampling import InputLimits
 from tokenrouter.routing.curve import CurveSettings
 from tokenrouter.routing.online_bstar import OnlineSettings
@@ -241,3 +241,35 @@ def test_read_parameter_kinds():
     assert read_parameter(p, "absent", None, int) is None
     with pytest.raises(ValueError, match="config parameter 's': cannot read ' x ' as int"):
         read_parameter(p, "s", 0, int)
+
+
+# ------------------------------------------------------------------------- configure at run time
+def test_configure_reads_the_declared_scheduling_parameters():
+    """A running model's ``configure`` op reads the same declarations as its config: units (µs -> s),
+    kinds and ranges; no clamping at run time; other keys are not its to read."""
+    from tokenrouter.triton.settings import RUNTIME_SCHEDULING, scheduling_changes
+
+    keys = {p.parameter(n) for n, p, _ in declarations_of(SubserverConfig)}
+    assert set(RUNTIME_SCHEDULING) <= keys
+    got = scheduling_changes(SubserverConfig(), {"delayed_batch_size": 3, "delayed_batch_max_wait_us": 2500,
+                                                 "stream_interval": "2", "readmit_on_resume": True,
+                                                 "prefill_chunk_tokens": 0, "prefix_cache": False})
+    assert got == {"delayed_batch_size": 3, "max_wait_s": 0.0025, "stream_interval": 2,
+                   "readmit_on_resume": True, "prefill_chunk_tokens": 0}
+    assert scheduling_changes(SubserverConfig(), {"delayed_batch_max_wait_us": 7000.0}) == {"max_wait_s": 0.007}
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"prefill_chunk_tokens": 1.7}, "prefill_chunk_tokens must be an integer >= 0, got 1.7"),
+    ({"prefill_chunk_tokens": True}, "prefill_chunk_tokens must be an integer >= 0, got True"),
+    ({"prefill_chunk_tokens": "abc"}, "prefill_chunk_tokens must be an integer >= 0, got 'abc'"),
+    ({"delayed_batch_size": 0}, "delayed_batch_size must be an integer >= 1, got 0"),  # clamped at load, not here
+    ({"delayed_batch_max_wait_us": -1}, "delayed_batch_max_wait_us must be an integer >= 0, got -1"),
+    ({"stream_interval": float("nan")}, "stream_interval must be an integer >= 1"),
+    ({"readmit_on_resume": 1}, "readmit_on_resume must be true or false, got 1"),
+])
+def test_configure_refuses_a_bad_value_naming_it(cfg, message):
+    from tokenrouter.triton.settings import scheduling_changes
+
+    with pytest.raises(ValueError, match="^configure: " + re.escape(message)):
+        scheduling_changes(SubserverConfig(), cfg)

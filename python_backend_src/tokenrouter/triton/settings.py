@@ -409,6 +409,72 @@ class LLMSettings:
                                                                                     "")))
 
 
+#: the config parameters a running model's ``configure`` op may change that are its decode loop's
+#: (declared on :class:`~tokenrouter.engine.config.SubserverConfig`); ``lockstep_group`` and
+#: ``prefix_cache`` are the model's own to apply
+RUNTIME_SCHEDULING = ("delayed_batch_size", "delayed_batch_max_wait_us", "stream_interval", "readmit_on_resume",
+                      "prefill_chunk_tokens")
+
+
+def _runtime_value(key: str, v: Any, p: Param, kind: type) -> Any:
+    """A ``configure`` value (JSON) as ``kind``, in the parameter's units and range: a bool only as a
+    bool (or "true"/"false"), a number never as a bool, an int only whole (or its digits in a string).
+
+    Raises:
+        ValueError: "configure: KEY must be <kind> <range>, got V".
+    """
+    what = {bool: "true or false", int: "an integer", float: "a number"}[kind] + (
+        f" >= {p.ge * p.scale:g}" if p.ge is not None else "")
+    bad = ValueError(f"configure: {key} must be {what}, got {v!r}")
+    if isinstance(v, str):
+        try:
+            v = read_parameter({key: v}, key, None, kind)
+        except ValueError:
+            raise bad from None
+    if kind is bool:
+        if isinstance(v, bool):
+            return v
+        raise bad
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad
+    if kind is int and not float(v).is_integer():
+        raise bad
+    v = kind(v)
+    if p.ge is not None and v < p.ge * p.scale:
+        raise bad
+    return v
+
+
+def scheduling_changes(config: SubserverConfig, cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    """The decode-loop settings a ``configure`` op changes, read from their declarations as at load.
+
+    Args:
+        config: the loop's current settings (the changes are checked against its ranges on top of it).
+        cfg: ``{config parameter: JSON value}``; the keys of :data:`RUNTIME_SCHEDULING` are read,
+            the others ignored.
+
+    Returns:
+        ``{SubserverConfig field: value}`` in the field's units (``delayed_batch_max_wait_us`` µs ->
+        ``max_wait_s`` s).
+
+    Raises:
+        ValueError: a value of the wrong kind or out of its declared range (no clamping at run
+            time), naming the parameter.
+    """
+    fields = {p.parameter(name): (name, p, default) for name, p, default in declarations(SubserverConfig)}
+    out: Dict[str, Any] = {}
+    for key in RUNTIME_SCHEDULING:
+        if key in cfg:
+            name, p, default = fields[key]
+            v = _runtime_value(key, cfg[key], p, p.value_kind(default))
+            out[name] = v / p.scale if p.scale != 1 else v
+    try:
+        dataclasses.replace(config, **out)  # __post_init__ checks the declared ranges
+    except ValueError as e:
+        raise ValueError(f"configure: {e}") from None
+    return out
+
+
 def llm_parameters() -> List[Tuple[str, str, Param, Any]]:
     """Every declared config parameter of an LLM model: ``(parameter, field, declaration, default)``,
     engine first, then the decode loop and the model process (``model_path``'s default is
