@@ -24,49 +24,47 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .grammar import GUIDED_KEYS, GuidedSpec, parse_guided
+from .parameters import check_ranges, declarations, documented, param
 
 __all__ = ["SamplingParams", "filtered_probs", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
            "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS",
            "InputLimits", "DEFAULT_LIMITS", "json_depth", "check_json_text"]
 
 
+@documented
 @dataclass(frozen=True)
 class InputLimits:
     """Bounds on a client's sampling parameters, checked before any work that grows with them.
 
-    Each refusal is a ``ValueError`` naming the limit (its config key) and its value.  The
-    router reads them from its config parameters of the same names
-    (:mod:`tokenrouter.triton.router_model`); docs/reliability.md lists the defaults.
+    Each refusal is a ``ValueError`` naming the limit (its config parameter) and its value.  The
+    router reads them from its config parameters of the same names, declared here
+    (:func:`~tokenrouter.engine.parameters.param`; :class:`tokenrouter.triton.settings.RequestLimits`).
 
-    Attributes:
-        max_sampling_parameters_bytes: size in bytes of the ``sampling_parameters`` JSON
-            (or the request's parameters), checked on the raw bytes before JSON parsing.
-        max_json_depth: nesting depth of that JSON (``{"stop": ["x"]}`` is 2), checked
-            on the raw text before parsing.
-        max_stop_strings: number of ``stop`` strings.
-        max_stop_string_bytes: UTF-8 bytes of one stop string.
-        max_stop_token_ids: number of ``stop_token_ids``.
-        max_grammar_bytes: UTF-8 bytes of a guided-decoding schema, regex, grammar or choice list.
-        max_schema_depth: nesting depth of a guided-decoding JSON schema.
-        grammar_compile_timeout_ms: milliseconds a new grammar may take to compile (the router
-            compiles it before the request runs; one past the limit is refused, and so are its
-            later copies).
+    Raises:
+        ValueError: a limit that is not an integer, or out of its declared range (naming it).
     """
 
-    max_sampling_parameters_bytes: int = 64 * 1024
-    max_json_depth: int = 8
-    max_stop_strings: int = 16
-    max_stop_string_bytes: int = 1024
-    max_stop_token_ids: int = 1024
-    max_grammar_bytes: int = 32 * 1024
-    max_schema_depth: int = 32
-    grammar_compile_timeout_ms: int = 3000
+    max_sampling_parameters_bytes: int = param(64 * 1024, unit="bytes", ge=1, doc=(
+        "size of the ``sampling_parameters`` JSON (or of the request's parameters), checked on the raw "
+        "bytes before JSON parsing"))
+    max_json_depth: int = param(8, unit="levels", ge=1, doc=(
+        "nesting depth of that JSON (``{\"stop\": [\"x\"]}`` is 2), checked on the raw text before parsing"))
+    max_stop_strings: int = param(16, unit="strings", ge=1, doc="number of ``stop`` strings")
+    max_stop_string_bytes: int = param(1024, unit="bytes", ge=1, doc="UTF-8 bytes of one stop string")
+    max_stop_token_ids: int = param(1024, unit="token ids", ge=1, doc="number of ``stop_token_ids``")
+    max_grammar_bytes: int = param(32 * 1024, unit="bytes", ge=1, doc=(
+        "UTF-8 bytes of a guided-decoding schema, regex, grammar or choice list"))
+    max_schema_depth: int = param(32, unit="levels", ge=1, doc="nesting depth of a guided-decoding JSON schema")
+    grammar_compile_timeout_ms: int = param(3000, unit="ms", ge=1, doc=(
+        "a new grammar may take this long to compile (the router compiles it before the request runs; "
+        "one past the limit is refused, and so are its later copies)"))
 
     def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
+        for name, _, _ in declarations(InputLimits):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        check_ranges(self)
 
 
 #: the limits applied when the caller gives none

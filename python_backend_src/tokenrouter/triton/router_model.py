@@ -10,29 +10,20 @@ The client interface (inputs and outputs, vllm_backend conventions) and the read
 checking of a request's inputs: :mod:`tokenrouter.triton.request`.  What happens when a model
 is down: :mod:`tokenrouter.triton.peer_failure`.
 
-Config parameters (read once, at load, into :class:`~tokenrouter.triton.settings.RouterSettings`,
-whose docstring gives each one's unit and default): ``models`` (comma-separated, deployment order;
-model 0 is the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
-``max_concurrent_requests``, ``default_max_tokens``, ``context_length``,
-``peer_timeout_s`` (a model silent this long fails the request; 0 = never: the backstop for a
-hung model -- a dead one is found by its process or heartbeat, and a request waiting for KV
-ends at its queue timeout, as "busy", long before), the limits of
-:class:`~tokenrouter.triton.settings.RequestLimits`
-(``max_input_bytes``, ``max_queued_requests``, ``queue_timeout_s``) and of
-:class:`~tokenrouter.engine.sampling.InputLimits` (``max_sampling_parameters_bytes``,
-``max_json_depth``, ``max_stop_strings``, ``max_stop_string_bytes``, ``max_stop_token_ids``,
-``max_grammar_bytes``, ``max_schema_depth``, ``grammar_compile_timeout_ms``),
-``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
-it needs is down; see :class:`~tokenrouter.triton.peer_failure.PeerFailure`), ``peer_restart_s`` (seconds between
-two attempts to get a dead model restarted), ``transport`` (below),
-``online_adaptation`` and the other ``online_*`` parameters (B* adapted while
-serving: :mod:`tokenrouter.routing.online_bstar`), ``remote_models`` (models served by
-other tritonservers: JSON ``{"llm": "tcp://host:port"}``, or a list of endpoints
-for replicas ``{"llm": ["tcp://h1:p", "tcp://h2:p"]}``), ``heartbeat_interval_s``
-and ``heartbeat_timeout_s`` (remote replicas are pinged every 0.5 s and are down
-after 2 s without an answer), ``curve`` (``on`` default / ``off``),
-``curve_secret_key_file`` and ``curve_server_public_keys`` (CURVE on TCP: see
-:mod:`tokenrouter.routing.curve`).
+Config parameters: read once, at load, into :class:`~tokenrouter.triton.settings.RouterSettings`.
+Each is declared once, with its unit, range, default and doc, on the object that holds it:
+:class:`~tokenrouter.triton.settings.RouterSettings` (``models``, ``algorithm``, ``algorithm_params``,
+``tokenizer_path``, ``context_length``, ``default_max_tokens``, ``max_concurrent_requests``,
+``transport`` (below), ``remote_models``, ``on_peer_failure``
+(:class:`~tokenrouter.triton.peer_failure.PeerFailure`), ``peer_restart_s``, ``peer_timeout_s``
+(the backstop for a hung model -- a dead one is found by its process or heartbeat, and a request
+waiting for KV ends at its queue timeout, as "busy", long before), ``heartbeat_interval_s``,
+``heartbeat_timeout_s``, ``init_timeout_s``), :class:`~tokenrouter.triton.settings.RequestLimits`
+and :class:`~tokenrouter.engine.sampling.InputLimits` (the limits on a request and its sampling
+parameters), :class:`~tokenrouter.routing.curve.CurveSettings` (``curve``,
+``curve_secret_key_file``, ``curve_server_public_keys``) and
+:class:`~tokenrouter.routing.online_bstar.OnlineSettings` (``online_*``: B* adapted while serving);
+:func:`~tokenrouter.triton.settings.router_parameters` lists them all.
 
 Models are reached over the ZeroMQ channel of :mod:`tokenrouter.routing.peer`:
 a model of ``remote_models`` at its listed endpoints (new requests spread over its
