@@ -65,7 +65,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..algorithms import get_algorithm
-from ..engine.detok import IncrementalDetokenizer, stop_token_ids
+from ..engine.detok import IncrementalDetokenizer, TokenStrings, stop_token_ids
 from ..engine.grammar import GrammarCompiler
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
@@ -78,7 +78,8 @@ from .messages import (BusyCount, BusyReply, EndpointQuery, ErrorReply, FinalOut
                        TextChunk)
 from .metrics import RouterMetrics, observe_request
 from .peer_failure import PeerFailure
-from .request import ClientError, ClientRequest, RequestParser, longest_token_bytes, output_tensors, routing_summary
+from .request import (ClientError, ClientRequest, RequestParser, logprobs_json, longest_token_bytes, output_tensors,
+                      routing_summary, wants_logprobs)
 from .settings import RequestLimits, RouterSettings
 from .transport import TritonTransport
 
@@ -181,6 +182,7 @@ class TritonPythonModel:
             getattr(self.tokenizer, "model_max_length", 8192) if
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
         self.stop_token_ids = stop_token_ids(self.tokenizer)
+        self.token_strings = TokenStrings(self.tokenizer)  # logprobs' decoded_token
         # guided decoding: every new grammar is compiled here first, within grammar_compile_timeout_ms
         self.grammar = GrammarCompiler(self.tokenizer, len(self.tokenizer), self.stop_token_ids).start()
 
@@ -488,9 +490,12 @@ class TritonPythonModel:
         """Send one response to a client (client I/O thread only)."""
         try:
             match msg:
-                case TextChunk(sender=sender, text=text):
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[
-                        pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]))
+                case TextChunk(sender=sender, text=text, logprobs=logprobs):
+                    tensors = [pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
+                    if logprobs is not None:
+                        tensors.append(pb_utils.Tensor("logprobs", np.asarray([logprobs.encode("utf-8")],
+                                                                              dtype=np.object_)))
+                    sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
                 case FinalOutputs(sender=sender, outputs=outputs):
                     sender.send(pb_utils.InferenceResponse(output_tensors=[
                         pb_utils.Tensor(k, v) for k, v in outputs.items()]), flags=_FINAL)
@@ -541,7 +546,7 @@ class TritonPythonModel:
         if fallback:
             header.down_models = sorted(self.peers.down())
         r = drive(self.peers, header, job.prompt_ids, first, detok,
-                  on_delta=(lambda d: self._out.put(TextChunk(job.sender, d))) if job.stream else None,
+                  on_delta=(lambda d, routed: self._out.put(self._text_chunk(job, d, routed))) if job.stream else None,
                   cancelled=lambda: job.cancelled or self._closing.is_set(), fallback=fallback)
         if r.finish == FinishReason.CANCELLED.value:
             self._out.put(RequestMetrics("cancelled"))
@@ -558,11 +563,23 @@ class TritonPythonModel:
             text = detok.text
             if not job.exclude_input:
                 text = job.prompt + text
-        outputs = output_tensors(job, r, text, summary, self.models)
+        outputs = output_tensors(job, r, text, summary, self.models, self.token_strings)
         # metrics first: a client that has its answer finds them published
         self._out.put(RequestMetrics(observe_request(job.arrival_t, time.monotonic(), r, self.models,
                                                      job.worker_start_t)))
         self._out.put(FinalOutputs(job.sender, outputs))
+
+    def _text_chunk(self, job: ClientRequest, delta: str, routed) -> TextChunk:
+        """A streamed response: the text delta, and (a request that asks for them) the logprobs of
+        the output tokens that reached the router since the previous response (vllm_backend's
+        convention; text held back for a stop string or a split character comes later)."""
+        if not wants_logprobs(job):
+            return TextChunk(job.sender, delta)
+        start, end = job.logprobs_sent, len(routed.logprobs)
+        job.logprobs_sent = end
+        ids = routed.output_ids[start:end]
+        return TextChunk(job.sender, delta, logprobs_json(ids, routed.logprobs[start:end],
+                                                          routed.top_logprobs[start:end], self.token_strings))
 
     def finalize(self) -> None:
         """Unload: end every request still in flight with "server is shutting down", then stop.
