@@ -479,6 +479,35 @@ def generate_one(url: str, router: str, prompt: str, sampling: Dict[str, Any],
             "ttft_s": (first[0] - t0) if first else float("nan"), "e2e_s": t1 - t0}
 
 
+#: how often the runner sends a request again after a *busy* answer (the server's "retry later":
+#: e.g. no KV free within a model's ``queue_timeout_s`` while longer requests hold the pool), and the
+#: first wait before it (seconds; doubled each time, at most 30 s)
+BUSY_RETRIES = 6
+BUSY_BACKOFF_S = 2.0
+
+
+def generate_retrying_busy(send: Callable[[], Dict[str, Any]], retries: int = BUSY_RETRIES,
+                           backoff_s: float = BUSY_BACKOFF_S,
+                           sleep: Callable[[float], None] = time.sleep) -> Dict[str, Any]:
+    """``send()`` (one request: :func:`generate_one`'s dict) again while its answer is *busy*, as a
+    client should that is told to retry later; any other answer or error is returned as it is.
+
+    The answer's ``busy_retries`` counts the resends; its ``ttft_s`` / ``e2e_s`` are the last
+    attempt's, its ``wait_s`` the time spent on the busy attempts and the waits between them
+    (seconds).  After ``retries`` resends the last busy error is returned (the problem is then
+    retried by the next command, as any failed request)."""
+    t0 = time.perf_counter()
+    for attempt in range(retries + 1):
+        t_try = time.perf_counter()
+        ans = send()
+        if not str(ans.get("error", "")).startswith("busy") or attempt == retries:
+            break
+        sleep(min(30.0, backoff_s * 2 ** attempt))
+    ans["busy_retries"] = attempt
+    ans["wait_s"] = t_try - t0
+    return ans
+
+
 def host_cpu() -> str:
     """This machine's CPU model (``/proc/cpuinfo``'s model name, else ``platform.processor()``) and
     its bf16 instruction sets: greedy bfloat16 output can differ between hosts, so every run of a
@@ -516,7 +545,9 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
     Returns:
         ``(answers by task id, run)``: :func:`generate_one`'s dict per problem that got an answer;
         ``run`` holds ``problems``, ``errors`` (messages of the failed requests, retried by a later
-        command), ``wall_s`` (first request sent to last answer), ``output_tokens`` and ``concurrency``.
+        command; a *busy* answer is first sent again, :func:`generate_retrying_busy`),
+        ``busy_retries`` (resends after busy answers), ``wall_s`` (first request sent to last
+        answer), ``output_tokens`` and ``concurrency``.
     """
     task = getattr(args, "task_obj", HUMANEVAL)
 
@@ -526,16 +557,18 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
             sampling["stop"] = list(task.stop)
         if point.threshold is not None:
             sampling["routing_threshold"] = point.threshold
-        return pr["task_id"], generate_one(url, point.router, prompts[pr["task_id"]], sampling, args.request_timeout)
+        return pr["task_id"], generate_retrying_busy(
+            lambda: generate_one(url, point.router, prompts[pr["task_id"]], sampling, args.request_timeout))
 
     answers: Dict[str, Dict[str, Any]] = {}
     errors: List[str] = []
-    tokens = 0
+    tokens = busy = 0
     t0 = time.perf_counter()
     pool = ThreadPoolExecutor(max_workers=args.concurrency)
     try:
         for fut in as_completed([pool.submit(one, pr) for pr in problems]):
             tid, ans = fut.result()
+            busy += ans.get("busy_retries", 0)
             if "error" in ans:
                 errors.append(f"{tid}: {ans['error']}")
                 continue
@@ -548,7 +581,7 @@ def run_point(url: str, point: Point, problems: Sequence[Dict[str, Any]], prompt
         raise
     pool.shutdown()
     run = {"problems": len(problems), "task_ids": [pr["task_id"] for pr in problems], "errors": errors,
-           "wall_s": time.perf_counter() - t0,
+           "busy_retries": busy, "wall_s": time.perf_counter() - t0,
            "output_tokens": tokens, "concurrency": args.concurrency,
            "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "host": host_cpu()}
     return answers, run
@@ -1196,6 +1229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     row = point_summary(data, task_ids)
                     print(f"  {p.name:<28} {row['passed']}/{row['n']} passed, LLM share {row['llm_share']:.3f}, "
                           f"{run['output_tokens'] / run['wall_s']:.1f} tok/s, {time.perf_counter() - t0:.0f} s"
+                          + (f", {run['busy_retries']} resends after busy answers" if run["busy_retries"] else "")
                           + (f", {len(run['errors'])} failed requests: {run['errors'][0]}" if run["errors"] else ""),
                           flush=True)
         for rp in ref_points:

@@ -217,3 +217,23 @@ def test_time_breakdown_splits_each_models_loop_time_per_answer():
     assert "| p | llm | 1.00 | 0.50 | 0.50 | 0.20 | 2.80 | 10 |" in quality.breakdown_table({"p": {"runs": [run, run]}}, ["p"])
     before = {"llm": {k: 1.0 for k in quality.COUNTERS}}
     assert quality.counter_deltas(before, {"llm": {k: 3.0 for k in quality.COUNTERS}})["llm"]["steps"] == 2.0
+
+
+def test_runner_sends_a_busy_request_again_and_gives_up_after_its_retries():
+    """A *busy* answer (the server's "retry later") is sent again after a doubling wait; any other
+    error is returned at once; after the last resend the busy error stands."""
+    waits = []
+
+    def server(answers):
+        it = iter(answers)
+        return lambda: dict(next(it))
+
+    ok = {"text": "x", "output_tokens": 1}
+    busy = {"error": "busy: model llm had no KV free for the request within its queue timeout"}
+    ans = quality.generate_retrying_busy(server([busy, busy, ok]), retries=3, backoff_s=1.0, sleep=waits.append)
+    assert ans["text"] == "x" and ans["busy_retries"] == 2 and waits == [1.0, 2.0] and ans["wait_s"] >= 0
+    waits.clear()
+    ans = quality.generate_retrying_busy(server([{"error": "deadline exceeded"}, ok]), retries=3, sleep=waits.append)
+    assert ans["error"] == "deadline exceeded" and ans["busy_retries"] == 0 and waits == []
+    ans = quality.generate_retrying_busy(server([busy] * 3), retries=2, backoff_s=20.0, sleep=waits.append)
+    assert ans["error"].startswith("busy") and ans["busy_retries"] == 2 and waits == [20.0, 30.0]  # capped at 30 s
