@@ -60,14 +60,13 @@ def routing_server(tmp_path_factory):
     structured output on several routes (:func:`tr_server.routing_repository`), shared by the
     modules that use it (stopped after the last of them).
 
-    Explicit model control, as deploy/serve runs it: the router loads a killed model again (the
-    last test kills the LLM's stub; without the reload the server's stop hangs on its instance).
+    The last test kills the LLM's stub, whose instance then never unloads: the server's stop does
+    not wait Triton's default exit timeout (30 s) for it.
     """
     from tr_server import routing_repository, running_server
 
     work = tmp_path_factory.mktemp("routing_server")
-    with running_server(routing_repository(work / "repo"), work,
-                        extra_args=["--model-control-mode=explicit", "--load-model=*"]) as server:
+    with running_server(routing_repository(work / "repo"), work, extra_args=["--exit-timeout-secs=5"]) as server:
         _STARTED["routing_server"] = server
         yield server
 
