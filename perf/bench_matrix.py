@@ -199,7 +199,7 @@ def b_star_from_events(event_lines: List[str], concurrency: int, workdir: str,
 def calibrate_server(url: str, max_n: int, path: str, context: int = 96, decode_steps: int = 4) -> str:
     """Time each model's steps alone at batch sizes 1, 2, 4, … up to ``max_n`` (and ``max_n``).
 
-    ``python -m scheduler_model calibrate`` in-process: the events of a served run hold only
+    ``python -m tokenrouter.tools.admin calibrate`` in-process: the events of a served run hold only
     the batch sizes that run formed (an eager LLM at N = 32 steps 1-4 rows), so the DTMC would
     extrapolate beyond them; the calibration gives the latency model the shape up to N, and
     ``profile`` scales it to the served level (:func:`scheduler_model.latency.contention_scale`).

@@ -14,7 +14,7 @@ Each shape is captured once as a CUDA graph (static KV cache of ``C + 8`` positi
 attention over the whole cache with a position mask) and replayed; the figure is the median of
 ``--reps`` replays timed with CUDA events, in seconds.  The output JSON holds, per model, the
 tables ``decode_s``, ``resume_s`` (keys: b) and ``prefill_s`` (keys: P), and the same points as a
-``table`` in the format of ``python -m scheduler_model calibrate``, so the file can be given to
+``table`` in the format of ``python -m tokenrouter.tools.admin calibrate``, so the file can be given to
 ``python -m scheduler_model profile/solve --calibration`` (its ``models`` are keyed by role).
 
     python perf/gpu_step_latency.py --models slm=qwen3-0.6b,llm=qwen3-8b -o gpu_latency.json
@@ -206,7 +206,7 @@ def measure(name: str, shape: Shape, batches: List[int], context: int, prefills:
     for p in prefills:
         out["prefill_s"][str(p)] = time_step(model, 1, p, 0, max(3, reps // 4))
         print(f"{name}: prefill {p} tokens {out['prefill_s'][str(p)] * 1e3:7.3f} ms", flush=True)
-    # the calibration format of ``python -m scheduler_model calibrate`` (scheduler_model/calibrate.py)
+    # the calibration format of ``python -m tokenrouter.tools.admin calibrate`` (scheduler_model/calibrate.py)
     out["table"] = [{"batch_size": b, "decode_latency_s": [out["decode_s"][str(b)]],
                      "decode_median_s": out["decode_s"][str(b)],
                      "resume_latency_s": out["resume_s"][str(b)], "resume_extend_tokens": 2 * b,

@@ -14,10 +14,11 @@ Modules:
     simulate       per-request discrete-event simulator (also non-geometric run lengths)
     online         sliding-window re-estimation of P, C, L_i and B*
     latency        step-latency model: monotone robust fit in rows and extend tokens
-    calibrate      synthetic-step calibration against a running server (tritonclient)
+    calibrate      the calibration file (synthetic steps timed on a running server by its client,
+                   ``python -m tokenrouter.tools.admin calibrate``) and its use in the latency fit
     profile        routing event log → PROFILE.json
     config_writer  B* → Triton config.pbtxt
-    cli            ``python -m scheduler_model solve|profile|simulate|calibrate``
+    cli            ``python -m scheduler_model solve|profile|simulate``
 """
 
 from .errors import (

@@ -1,4 +1,4 @@
-"""Step-latency calibration against a running server: ``python -m scheduler_model calibrate``.
+"""Step-latency calibration against a running server: ``python -m tokenrouter.tools.admin calibrate``.
 
 Each LLM model (Triton models ``slm``, ``llm``, …) runs its ``calibrate`` admin op
 (:meth:`tokenrouter.engine.subserver.Subserver.calibrate`): on its decode-loop thread it builds b

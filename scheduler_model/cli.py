@@ -17,9 +17,10 @@
 * ``profile --events EVENTS.jsonl --models slm,llm --concurrency N [--calibration CALIB.json]
   [-o PROFILE.json]`` converts a routing event log to a profile (:mod:`scheduler_model.profile`),
   with the step-latency model fitted to the events' steps and the calibration's.
-* ``calibrate --url HOST:GRPCPORT --models slm,llm [--batch-sizes 1,2,4,8,16,32] [--context 256]
-  [--decode-steps 8] [-o CALIB.json]`` times synthetic steps on a running, idle server
-  (:mod:`scheduler_model.calibrate`). Exit status 1 if a model refuses or cannot be reached.
+* CALIB.json, the calibration file, is written by the server's client, which times synthetic steps
+  on a running, idle server: ``python -m tokenrouter.tools.admin calibrate --models slm,llm
+  '{"batch_sizes": [1, 2, 4, 8, 16, 32]}' -o CALIB.json`` (:mod:`scheduler_model.calibrate`;
+  this package imports nothing of the server).
 * ``simulate --profile PROFILE.json --thresholds slm=1,llm=2 [--events E] [--json]
   [--max-wait-us slm=5000,llm=20000]`` runs the discrete-event simulator
   (:mod:`scheduler_model.simulate`), optionally with the server's wait bound.
@@ -105,15 +106,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calibration", metavar="CALIB.json",
                    help="also fit the step latency to these calibration steps (calibrate's output)")
     p.add_argument("-o", "--output", help="write here instead of stdout")
-
-    c = sub.add_parser("calibrate", help="time synthetic steps of each model of a running server")
-    c.add_argument("--url", default="localhost:8001", help="Triton gRPC address HOST:PORT")
-    c.add_argument("--models", default="slm,llm", help="comma-separated model names")
-    c.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated rows per step")
-    c.add_argument("--context", type=int, default=256, help="tokens of each synthetic sequence")
-    c.add_argument("--decode-steps", type=int, default=8, help="timed decode steps per batch size")
-    c.add_argument("--timeout-s", type=float, default=3600.0, help="per model")
-    c.add_argument("-o", "--output", help="write here instead of stdout")
 
     m = sub.add_parser("simulate", help="discrete-event simulation for given thresholds")
     m.add_argument("--profile", required=True)
@@ -232,29 +224,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return _emit(prof, args.output, indent=2)
 
 
-def cmd_calibrate(args: argparse.Namespace) -> int:
-    from tokenrouter.tools.admin import calibrate  # the server's client: this command only
-
-    from .calibrate import run_calibration
-
-    models = [m.strip() for m in args.models.split(",") if m.strip()]
-    try:
-        sizes = [int(x) for x in args.batch_sizes.split(",") if x.strip()]
-    except ValueError:
-        print(f"error: --batch-sizes must be comma-separated integers, got {args.batch_sizes!r}", file=sys.stderr)
-        return 2
-    if not models or not sizes or min(sizes) < 1 or args.context < 1 or args.decode_steps < 1:
-        print("error: need models, batch sizes >= 1, --context >= 1 and --decode-steps >= 1", file=sys.stderr)
-        return 2
-    try:
-        calib = run_calibration(args.url, models, sizes, context=args.context, decode_steps=args.decode_steps,
-                                timeout_s=args.timeout_s, calibrate=calibrate)
-    except Exception as exc:  # noqa: BLE001 - server refused / unreachable: report, exit non-zero
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    return _emit(calib, args.output, indent=1)
-
-
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .profile import load_profile
     from .simulate import simulate
@@ -276,8 +245,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit status."""
     args = build_parser().parse_args(argv)
     try:
-        return {"solve": cmd_solve, "profile": cmd_profile, "simulate": cmd_simulate,
-                "calibrate": cmd_calibrate}[args.cmd](args)
+        return {"solve": cmd_solve, "profile": cmd_profile, "simulate": cmd_simulate}[args.cmd](args)
     except SchedulerModelError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -350,7 +350,7 @@ def contention_scale(events: Tuple[Sequence[int], Sequence[float], Sequence[floa
 def calibration_points(calib: Mapping[str, Any], model: str) -> Tuple[List[int], List[float], List[float]]:
     """(batch sizes, extend tokens, latencies in s) of one model's calibration steps.
 
-    ``calib`` is the JSON written by ``python -m scheduler_model calibrate`` (format in
+    ``calib`` is the JSON written by ``python -m tokenrouter.tools.admin calibrate`` (format in
     :mod:`scheduler_model.calibrate`). Decode steps give (b, 0, L); the resume step of each
     batch size gives (b, extend_tokens, L); prefill steps (rows, extend_tokens, L). Returns
     empty lists if the model is absent.

@@ -125,7 +125,7 @@ def profile_from_events(events: Iterable[Union[Mapping[str, Any], str]], models:
         quantum_s: δ for the profile (s).
         fixed_thresholds: copied into the profile if given.
         run_lengths: derive the optional "run_lengths" field.
-        calibration: a calibration object (``python -m scheduler_model calibrate``); its steps,
+        calibration: a calibration object (``python -m tokenrouter.tools.admin calibrate``); its steps,
             scaled by κ (:func:`scheduler_model.latency.contention_scale`, recorded as
             ``fit.calibration_scale``), join the event steps in each model's latency fit (not
             in q and x̄).

@@ -14,7 +14,7 @@ import pytest
 from tokenrouter.engine.op_dispatch import OpDispatcher
 from tokenrouter.protocol import (OPS, Answer, Calibrate, Cancelled, Configure, Endpoint, EventsQuery, Failed,
                                   Finished, Flush, Handoff, OpWire, PeerReq, Ping, Release, Run, SpecRound, Stats,
-                                  Tokens, decode_event, decode_op, encode_event, encode_op, is_final)
+                                  TokenLogprobs, Tokens, decode_event, decode_op, encode_event, encode_op, is_final)
 from tokenrouter.routing.peer import PeerClient, PeerServer
 from tokenrouter.routing.router_core import drive
 
@@ -47,7 +47,8 @@ def test_bad_op_wire_values_are_refused(wire, needle):
 def test_events_keep_their_json_shape():
     hdr = PeerReq(rid="r1", models=["slm", "llm"]).header_json()
     events = [Tokens(scores=[0.5, None], first_step_t=12.25),
-              Tokens(scores=[0.1], logprobs=[-0.5], spec=SpecRound(drafted=4, accepted=2, drafter=0)),
+              Tokens(scores=[0.1], logprobs=[-0.5], spec=SpecRound(drafted=4, accepted=2, drafter=0),
+                     top_logprobs=[TokenLogprobs(rank=3, ids=[7, 2], logprobs=[-0.25, -0.375])]),
               Handoff(to="llm", to_index=1, peer_req=hdr, committed=True, scores=[0.9]),
               Finished(finish_reason="length", num_generated=16, scores=[]),
               Cancelled(message="released by the router", finish_reason="cancelled"),
@@ -58,6 +59,7 @@ def test_events_keep_their_json_shape():
     # the JSON a client of the model's Triton interface reads: unset fields are absent, answers flat
     assert msgspec.json.decode(encode_event(events[0])) == {"kind": "tokens", "scores": [0.5, None],
                                                             "first_step_t": 12.25}
+    assert msgspec.json.decode(encode_event(events[1]))["top_logprobs"] == [[3, [7, 2], [-0.25, -0.375]]]
     assert msgspec.json.decode(encode_event(events[6])) == {"kind": "stats", "kv_tokens_in_use": 0, "active": 0}
     # a step's numpy scalars encode as numbers
     assert decode_event(encode_event(Tokens(scores=[np.float32(0.25), np.float64(0.5)]))).scores == [0.25, 0.5]
@@ -173,7 +175,7 @@ def test_drive_books_tokens_writers_and_handoffs_over_the_channel():
 
     deltas = []
     try:
-        r = drive(client, PeerReq(rid="q1", models=["slm", "llm"]), [1, 2, 3], 0, Detok(), on_delta=deltas.append)
+        r = drive(client, PeerReq(rid="q1", models=["slm", "llm"]), [1, 2, 3], 0, Detok(), on_delta=lambda d, _r: deltas.append(d))
         _wait(lambda: subs["llm"].released)  # a release does not wait for the model
     finally:
         client.close()

@@ -145,6 +145,93 @@ def test_completions_stop_strings(client, stream):
     assert free.choices[0].text.startswith(text) and text.strip()
 
 
+def _bytes_text(entries) -> str:
+    return b"".join(bytes(e.bytes) for e in entries).decode("utf-8")
+
+
+def test_chat_logprobs_parsed_by_the_openai_client(client, triton_server, tokenizer):
+    """``logprobs`` + ``top_logprobs``: one entry per output token, each with ``top_logprobs``
+    exactly N most likely, sorted; the router's own values; the same in a stream's chunks."""
+    from tr_client import token_logprobs, top_n
+
+    n = 3
+    kw = dict(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0)
+    r = client.chat.completions.create(**kw, logprobs=True, top_logprobs=n)
+    plain = client.chat.completions.create(**kw)
+    assert r.choices[0].message.content == plain.choices[0].message.content  # asking changes nothing
+    assert plain.choices[0].logprobs is None
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    text = r.choices[0].message.content
+    joined = _bytes_text(content)  # the exact bytes join into the text (+ the end-of-turn token)
+    assert joined == text or (joined.startswith(text) and joined[len(text):] == tokenizer.eos_token), (joined, text)
+    direct = generate(triton_server, QUESTION[0]["content"], {"max_tokens": 12, "temperature": 0, "logprobs": n},
+                      chat=True)
+    ref = token_logprobs(direct["logprobs"])
+    assert len(ref) == len(content)
+    for c, e in zip(content, ref):
+        assert c.logprob == pytest.approx(e["logprob"], abs=1e-5) and c.token == e["decoded"]
+        assert len(c.top_logprobs) == n
+        assert [t.logprob for t in c.top_logprobs] == sorted((t.logprob for t in c.top_logprobs), reverse=True)
+        assert c.top_logprobs[0].token == c.token  # greedy: the top-1 token is the one written
+        assert [t.logprob for t in c.top_logprobs] == pytest.approx([v for _, v in top_n(e, n)], abs=1e-5)
+        assert [t.token for t in c.top_logprobs] == [tokenizer.decode([i]) for i, _ in top_n(e, n)]
+    # top_logprobs 0: the token's own logprob, no alternatives
+    r0 = client.chat.completions.create(**kw, logprobs=True, top_logprobs=0)
+    assert [c.top_logprobs for c in r0.choices[0].logprobs.content] == [[]] * len(content)
+    assert [c.logprob for c in r0.choices[0].logprobs.content] == pytest.approx([c.logprob for c in content], abs=1e-5)
+    # streamed: the chunks' entries, in order, are the whole response's
+    chunks = list(client.chat.completions.create(**kw, logprobs=True, top_logprobs=n, stream=True))
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].logprobs) > 1
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+    assert [[t.token for t in e.top_logprobs] for e in streamed] == [[t.token for t in e.top_logprobs]
+                                                                      for e in content]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_logprobs_parsed_by_the_openai_client(client, stream):
+    """Legacy ``logprobs`` N: ``tokens``, ``token_logprobs``, ``top_logprobs`` (the token and the top
+    N: up to N + 1 entries) and ``text_offset`` (each token's place in the text)."""
+    kw = dict(model=MODEL, prompt="Count: one, two, three,", max_tokens=10, temperature=0,
+              extra_body={"ignore_eos": True})
+    if stream:
+        chunks = list(client.completions.create(**kw, logprobs=2, stream=True))
+        text = "".join(c.choices[0].text for c in chunks)
+        lps = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs]
+        assert len(lps) > 1
+        tokens = [t for lp in lps for t in lp.tokens]
+        token_lps = [v for lp in lps for v in lp.token_logprobs]
+        tops = [d for lp in lps for d in lp.top_logprobs]
+        offsets = [o for lp in lps for o in lp.text_offset]
+    else:
+        r = client.completions.create(**kw, logprobs=2)
+        text, lp = r.choices[0].text, r.choices[0].logprobs
+        tokens, token_lps, tops, offsets = lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+        assert r.usage.completion_tokens == len(tokens) == 10
+    assert len(tokens) == len(token_lps) == len(tops) == len(offsets) == 10
+    assert "".join(tokens) == text  # plain ASCII: each token's text is its share of the answer
+    assert offsets == [len("".join(tokens[:i])) for i in range(10)]
+    for t, v, d in zip(tokens, token_lps, tops):
+        assert 1 <= len(d) <= 3 and d[t] == v and v <= 0  # greedy: the token is the most likely
+        assert max(d.values()) == v
+
+
+def test_logprobs_out_of_range_are_refused_naming_the_field(client):
+    for kw, param in ((dict(logprobs=True, top_logprobs=21), "top_logprobs"),
+                      (dict(logprobs=True, top_logprobs=-1), "top_logprobs"),
+                      (dict(top_logprobs=2), "top_logprobs")):  # top_logprobs needs logprobs: true
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **kw)
+        assert _error(e.value)["param"] == param, (kw, _error(e.value))
+    for n in (6, -1):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, logprobs=n)
+        err = _error(e.value)
+        assert err["param"] == "logprobs" and "between 0 and 5" in err["message"], err
+
+
 def test_errors_are_openai_format(client, frontend):
     with pytest.raises(openai.NotFoundError) as e:
         client.chat.completions.create(model="gpt-4", messages=QUESTION, max_tokens=4)

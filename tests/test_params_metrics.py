@@ -23,7 +23,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tr_client import concurrently, generate, generate_many, grpc_stream, router_inputs
+from tr_client import (assert_top_close, concurrently, generate, generate_many, grpc_stream, router_inputs,
+                       token_logprobs, top_n)
 
 PROMPT = "Count: one, two, three,"
 GREEDY = {"temperature": 0}
@@ -57,7 +58,9 @@ def test_string_numbers_booleans_and_nulls_read_as_vllm_backend(triton_server):
     ({"presence_penalty": 3}, "presence_penalty"),
     ({"min_tokens": 9, "max_tokens": 4}, "min_tokens"),
     ({"stop_token_ids": "2"}, "stop_token_ids"),
-    ({"logprobs": 5}, "logprobs"),
+    ({"logprobs": 21}, "logprobs must be <= 20"),
+    ({"logprobs": -1}, "logprobs must be >= 0"),
+    ({"logprobs": "many"}, "logprobs must be an integer"),
     ({"best_of": 2}, "best_of"),
     ({"stop_token_ids": [10**7]}, "not token ids of this tokenizer"),
 ])
@@ -190,32 +193,63 @@ def test_min_tokens_stop_token_ids_and_stop_string_options(triton_server):
 
 
 def test_logprobs_from_the_writing_model_and_output_switches(triton_server, hf_model):
+    """``logprobs`` N (vllm_backend's output): every output token with its logprob, rank and top N
+    under the raw distribution of the model that wrote it, across handoffs (both models here are
+    SmolLM2: plain transformers on the same tokens is the reference); asking changes no token."""
     import torch
 
     tok, model = hf_model
-    out = _post(triton_server, {"text_input": PROMPT, "exclude_input_in_output": True,
-                                "return_routing_trace": True, "return_logprobs": True,
-                                "return_finish_reason": False, "return_num_input_tokens": False,
-                                "sampling_parameters": json.dumps({"max_tokens": 12, "temperature": 0,
-                                                                   "ignore_eos": True})})
-    assert out["_status"] == 200, out
+    n = 5
+
+    def ask(sampling, **inputs):
+        body = {"text_input": PROMPT, "exclude_input_in_output": True, "return_routing_trace": True,
+                "sampling_parameters": json.dumps({"max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                                   **sampling}), **inputs}
+        out = _post(triton_server, body)
+        assert out["_status"] == 200, out
+        return out
+
+    out = ask({"logprobs": n}, return_logprobs=True, return_finish_reason=False, return_num_input_tokens=False)
     assert "finish_reason" not in out and "num_input_tokens" not in out
     assert out["num_output_tokens"] == 12
     ids = out["routing_trace"]["token_ids"]
-    lps = out["logprobs"]
-    assert len(lps) == 12 and all(isinstance(x, float) and x <= 0 for x in lps)
     assert out["routing_summary"]["handoffs"] > 0  # both models wrote some of them
+    entries = token_logprobs(out["logprobs"])
+    assert [e["id"] for e in entries] == ids  # one per output token, the token first
     prompt_ids = tok.encode(PROMPT)
     with torch.no_grad():
         logits = model(torch.tensor([prompt_ids + ids])).logits[0, len(prompt_ids) - 1:-1]
-    ref = torch.log_softmax(logits.float(), -1).gather(1, torch.tensor(ids).view(-1, 1)).view(-1)
-    assert np.allclose(lps, ref.tolist(), atol=2e-3), (lps, ref.tolist())
-    # the sampling key alone turns them on too, and streaming carries them on the final response
-    st = grpc_stream(triton_server, PROMPT, {"max_tokens": 5, "temperature": 0, "ignore_eos": True, "logprobs": 0})
-    assert st["error"] is None
-    # without the switch no logprobs output is sent
+    ref = torch.log_softmax(logits.float(), -1)
+    for i, e in enumerate(entries):
+        # greedy without a grammar: the token is the most likely one; the rest are the top N, sorted
+        assert e["rank"] == 1 and [e["rank"]] + e["top_ranks"] == list(range(1, n + 1)), e
+        assert [v for _, v in e["top"]] == sorted((v for _, v in e["top"]), reverse=True), e
+        assert e["decoded"] == tok.decode([e["id"]]), e
+        assert abs(e["logprob"] - float(ref[i, e["id"]])) < 2e-3, (i, e)
+        top = torch.topk(ref[i], n)
+        assert_top_close(top_n(e, n), list(zip(top.indices.tolist(), top.values.tolist())), 2e-3, f"token {i}")
+    # the sampled token's logprob is the same without the top N; no logprobs: the same tokens
+    alone = ask({"logprobs": 0}, return_logprobs=True)
+    assert alone["routing_trace"]["token_ids"] == ids
+    single = token_logprobs(alone["logprobs"])
+    assert all(len(d) == 1 for d in alone["logprobs"]) and [e["id"] for e in single] == ids
+    assert np.allclose([e["logprob"] for e in single], [e["logprob"] for e in entries], atol=1e-5)
+    plain = ask({})
+    assert plain["routing_trace"]["token_ids"] == ids and "logprobs" not in plain
+    # the sampling key alone turns the output on; streaming: each response carries its tokens' logprobs
+    st = grpc_stream(triton_server, PROMPT, {"max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 3})
+    assert st["error"] is None and len(st["logprobs_chunks"]) > 1, st
+    streamed = token_logprobs([d for chunk in st["logprobs_chunks"] for d in chunk])
+    assert [e["id"] for e in streamed] == ids
+    assert np.allclose([e["logprob"] for e in streamed], [e["logprob"] for e in entries], atol=1e-5)
+    # without the switch or the key no logprobs output is sent
     plain = _post(triton_server, {"text_input": PROMPT, "sampling_parameters": json.dumps({"max_tokens": 2})})
     assert "logprobs" not in plain and plain["finish_reason"] in ("stop", "length")
+    # return_logprobs alone: the sampled token's logprob (N = 0); request parameters carry N too
+    out = _post(triton_server, {"text_input": PROMPT, "return_logprobs": True,
+                                "parameters": {"max_tokens": 3, "temperature": 0, "ignore_eos": True,
+                                               "logprobs": 2}})
+    assert out["_status"] == 200 and [len(d) for d in out["logprobs"]] == [2, 2, 2], out
 
 
 # ------------------------------------------------------------------- metrics

@@ -2,7 +2,8 @@
 
 Its checkpoints are prepared by tests/run (``deploy/prepare_weights.py --pair qwen-coder``). Checked:
 the two tokenizers are one, a pair whose tokenizers differ is refused with the difference named,
-and one routed request through a real server has both models writing.
+one routed request through a real server has both models writing, and its top logprobs are each
+token's writer's (two different models here, so the other model's would not do).
 """
 
 from __future__ import annotations
@@ -99,3 +100,31 @@ def test_the_llm_of_the_pair_answers_alone_and_its_text_is_code(answers):
     assert out["_status"] == 200, out
     assert out["routing_summary"]["tokens_by_model"] == {"slm": 0, "llm": 48}, out["routing_summary"]
     assert "def " in out["text_output"], out["text_output"]
+
+
+@pytest.mark.server
+def test_top_logprobs_of_a_routed_answer_are_each_writer_s(qwen_server):
+    """logprobs N = 5 on a routed greedy answer of two different models: each token's logprob and top
+    5 are those of the model that wrote it (its own run on the same prefix, sent straight to that
+    model), and not those of the other model."""
+    from tokenrouter.engine.detok import load_tokenizer
+    from tokenrouter.routing.router_core import encode_prompt
+    from tr_client import assert_from_writers, generate, own_runs, token_logprobs, top_n
+
+    out = generate(qwen_server, PROMPT, {"max_tokens": 12, "temperature": 0, "logprobs": 5}, chat=True)
+    assert out["_status"] == 200, out
+    plain = generate(qwen_server, PROMPT, {"max_tokens": 12, "temperature": 0}, chat=True)
+    assert plain["routing_trace"]["token_ids"] == out["routing_trace"]["token_ids"]
+    trace = out["routing_trace"]["trace"]
+    assert 0 in trace and 1 in trace, out["routing_summary"]
+    prompt_ids = encode_prompt(load_tokenizer(_prepared(SLM)), PROMPT, True)
+    # bfloat16 where the CPU computes it: one model's logits for one prefix differ by a step or two of
+    # bfloat16 (1/16 at magnitudes 8-16) between a decode step and a prefill; seen: up to 0.13
+    tol = 0.25
+    assert_from_writers(qwen_server, prompt_ids, out, 5, tol)
+    # the other model's own runs on the same prefixes are further off (seen: 0.27-4.2, median 1.3)
+    ids = out["routing_trace"]["token_ids"]
+    other = own_runs(qwen_server, prompt_ids, ids, [("slm", "llm")[1 - w] for w in trace], 5)
+    gaps = [max(abs(a - b) for (_, a), (_, b) in zip(top_n(e, 5), o["top"]))
+            for e, o in zip(token_logprobs(out["logprobs"]), other)]
+    assert sum(g > 2 * tol for g in gaps) > len(gaps) // 2, gaps

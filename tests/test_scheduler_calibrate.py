@@ -1,11 +1,11 @@
 """The ``calibrate`` admin op against the real server (demo pair), and its CLI."""
 
+import json
 
 import numpy as np
 import pytest
 
 from scheduler_model.calibrate import apply_calibration, load_calibration
-from scheduler_model.cli import main
 from scheduler_model.latency import calibration_points, fit_step_latency
 from scheduler_model.system import System
 from tokenrouter.tools import admin
@@ -17,9 +17,9 @@ SIZES = [1, 2, 4]
 def test_calibrate_cli_table_and_kv_released(triton_server, tmp_path):
     wait_kv_released(triton_server)
     out = tmp_path / "calib.json"
-    assert main(["calibrate", "--url", triton_server.grpc_url, "--models", "slm,llm",
-                 "--batch-sizes", ",".join(map(str, SIZES)), "--context", "48", "--decode-steps", "3",
-                 "-o", str(out)]) == 0
+    settings = json.dumps({"batch_sizes": SIZES, "context": 48, "decode_steps": 3})
+    assert admin.main(["calibrate", "--url", triton_server.grpc_url, "--models", "slm,llm", settings,
+                       "-o", str(out)]) == 0
     calib = load_calibration(str(out))
     for m in ("slm", "llm"):
         entry = calib["models"][m]

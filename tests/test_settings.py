@@ -12,12 +12,12 @@ import pytest
 
 from tokenrouter.algorithms import configure
 from tokenrouter.engine.config import EngineConfig, SubserverConfig
-from tokenrouter.engine.parameters import shown_default
+from tokenrouter.engine.parameters import declarations as declarations_of, shown_default
 from tokenrouter.engine.sampling import InputLimits
 from tokenrouter.routing.curve import CurveSettings
 from tokenrouter.routing.online_bstar import OnlineSettings
-from tokenrouter.triton.settings import (DEFAULT_CHECKPOINT, LLMSettings, RequestLimits, RouterSettings,
-                                         llm_parameters, read_parameter)
+from tokenrouter.triton.settings import (DEFAULT_CHECKPOINT, LLMSettings, ModelRole, RequestLimits, RouterSettings,
+                                         llm_parameters, read_parameter, router_parameters)
 
 
 @pytest.fixture
@@ -90,17 +90,25 @@ def test_router_remote_models_and_their_checks(weights):
 
 @pytest.mark.parametrize("params, message", [
     ({"max_concurrent_requests": "many"}, "config parameter 'max_concurrent_requests': cannot read 'many' as int"),
-    ({"max_concurrent_requests": "0"}, "'max_concurrent_requests' must be >= 1"),
+    ({"max_concurrent_requests": "0"}, "max_concurrent_requests must be >= 1, got 0"),
     ({"peer_timeout_s": "soon"}, "config parameter 'peer_timeout_s': cannot read 'soon' as float"),
     ({"online_adaptation": "maybe"}, "config parameter 'online_adaptation': cannot read 'maybe' as bool"),
-    ({"transport": "http"}, "transport must be one of \\('zmq', 'triton'\\), got 'http'"),
-    ({"on_peer_failure": "retry"}, "on_peer_failure must be one of"),
+    ({"transport": "http"}, "transport must be one of zmq, triton, got 'http'"),
+    ({"on_peer_failure": "retry"}, "on_peer_failure must be one of fail, fallback, got 'retry'"),
     ({"peer_restart_s": "0"}, "peer_restart_s must be > 0"),
+    ({"init_timeout_s": "-1"}, "init_timeout_s must be >= 0"),
     ({"heartbeat_interval_s": "3"}, "heartbeat_interval_s \\(3.0\\) and heartbeat_timeout_s"),
     ({"max_input_bytes": "0"}, "max_input_bytes must be >= 1"),
-    ({"max_queued_requests": "-1"}, "max_queued_requests >= 0"),
-    ({"max_json_depth": "0"}, "max_json_depth must be an integer >= 1"),
-    ({"online_adaptation": "true", "online_interval_s": "0"}, "'online_interval_s' must be a number of seconds > 0"),
+    ({"max_queued_requests": "-1"}, "max_queued_requests must be >= 0"),
+    ({"queue_timeout_s": "-0.5"}, "queue_timeout_s must be >= 0"),
+    ({"max_json_depth": "0"}, "max_json_depth must be >= 1, got 0"),
+    ({"grammar_compile_timeout_ms": "1.5"}, "config parameter 'grammar_compile_timeout_ms': cannot read '1.5' as int"),
+    ({"online_adaptation": "true", "online_interval_s": "0"},
+     r"interval_s \(config parameter online_interval_s\) must be a finite number > 0, got 0.0"),
+    ({"online_window_s": "inf"}, r"window_s \(config parameter online_window_s\) must be a finite number > 0"),
+    ({"online_min_gain": "nan"}, r"min_gain \(config parameter online_min_gain\) must be a finite number >= 0"),
+    ({"online_min_request_steps": "0"}, r"\(config parameter online_min_request_steps\) must be >= 1"),
+    ({"online_quantum_s": "0"}, r"quantum_s \(config parameter online_quantum_s\) must be a finite number > 0"),
     ({"online_fixed_thresholds": '{"big": 2}'}, "'online_fixed_thresholds' must be a JSON object"),
     ({"online_quantum_s": "fast"}, "'online_quantum_s' must be 'auto' or seconds"),
     ({"algorithm": "nope"}, "unknown routing algorithm 'nope'"),
@@ -183,6 +191,7 @@ def test_llm_overrides_one_of_each_kind(weights):
     ({"dtype": "bf16"}, "dtype must be one of auto, float32, bfloat16, float16, got 'bf16'"),
     ({"cpu_linear_weights": "fast"}, "cpu_linear_weights must be one of dual, packed, rowmajor"),
     ({"drain_timeout_s": "-1"}, "drain_timeout_s must be >= 0"),
+    ({"init_timeout_s": "-1"}, "init_timeout_s must be >= 0"),
     ({"curve": "maybe"}, "config parameter 'curve' must be on or off"),
 ])
 def test_llm_refuses_a_bad_value_naming_it(weights, params, message):
@@ -196,39 +205,73 @@ def test_llm_refuses_a_missing_checkpoint(weights):
 
 
 # ----------------------------------------------------------------------- the documented defaults
-def _model_tables() -> dict:
-    """``{parameter: default cell}`` of the parameter tables of docs/configuration.md's models section."""
+MODELS_SECTION, ROUTER_SECTION = "## The models (`slm`, `llm`)", "## The router (`token_router`)"
+
+
+def _tables(section: str) -> dict:
+    """``{parameter: default cell}`` of the parameter tables of docs/configuration.md's ``section``."""
     text = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
-    section = text.split("## The models (`slm`, `llm`)", 1)[1].split("\n## ", 1)[0]
+    body = text.split(section, 1)[1].split("\n## ", 1)[0]
     rows = {}
-    for line in section.splitlines():
+    for line in body.splitlines():
         m = re.match(r"\| `([a-z_0-9]+)` \| ([^|]*) \|", line)
         if m:
+            assert m.group(1) not in rows, f"{m.group(1)} has two rows"
             rows[m.group(1)] = m.group(2).strip()
     return rows
 
 
+def _disagreements(rows: dict, declared: list) -> list:
+    """What the page's rows and the declarations ``(parameter, field, Param, default)`` disagree on:
+    rows of no declared parameter, declared parameters without a row, and defaults that differ (a
+    cell may add a parenthesis after the declared default: ``0 (SGLang's default)``)."""
+    shown = {key: shown_default(name, p, default) for key, name, p, default in declared}
+    out = [f"{key}: a row, not declared" for key in sorted(set(rows) - set(shown))]
+    out += [f"{key}: declared, no row" for key in sorted(set(shown) - set(rows))]
+    out += [f"{key}: the page says {rows[key]!r}, declared {v!r}" for key, v in shown.items()
+            if key in rows and not (rows[key] == v or rows[key].startswith(v + " ("))]
+    return out
+
+
 def test_configuration_page_lists_every_llm_parameter_with_its_declared_default():
-    """docs/configuration.md's tables of the models hold exactly the declared parameters (plus the
-    CURVE keys, which CurveSettings reads), each with the declared default."""
-    rows = _model_tables()
-    declared = {key: shown_default(name, p, default) for key, name, p, default in llm_parameters()}
-    curve = {"curve": "`on`", "curve_secret_key_file": "none", "curve_authorized_keys_dir": "none"}
-    assert set(rows) == set(declared) | set(curve), (sorted(set(rows) - set(declared) - set(curve)),
-                                                     sorted(set(declared) - set(rows)))
-    for key, shown in {**declared, **curve}.items():
-        cell = rows[key]
-        assert cell == shown or cell.startswith(shown + " ("), f"{key}: the page says {cell!r}, declared {shown!r}"
+    """docs/configuration.md's tables of the models hold exactly the declared parameters (the CURVE
+    keys included), each with the declared default."""
+    assert _disagreements(_tables(MODELS_SECTION), llm_parameters()) == []
+
+
+def test_configuration_page_lists_every_router_parameter_with_its_declared_default():
+    """docs/configuration.md's tables of the router (Routing, Limits, Failures, Models on other servers,
+    Online adaptation) hold exactly the router's declared parameters, each with the declared default."""
+    declared = router_parameters()
+    assert len({key for key, *_ in declared}) == len(declared), "a parameter declared twice"
+    assert _disagreements(_tables(ROUTER_SECTION), declared) == []
 
 
 def test_the_page_check_can_fail():
-    """The rendering the page is held to changes with the declaration (the check is not vacuous)."""
+    """The rendering the page is held to changes with the declaration, and the check reports a
+    changed default, a missing row and an extra row (it is not vacuous)."""
     p = dict((key, (name, p, default)) for key, name, p, default in llm_parameters())
     name, decl, default = p["delayed_batch_max_wait_us"]
     assert shown_default(name, decl, default) == "5000" and shown_default(name, decl, 0.004) == "4000"
     name, decl, default = p["prefix_cache"]
-    assert shown_default(name, decl, default) == "`true`" and _model_tables()["prefix_cache"] == "`true`"
+    assert shown_default(name, decl, default) == "`true`" and _tables(MODELS_SECTION)["prefix_cache"] == "`true`"
     assert shown_default(*p["model_path"]) == f"`{DEFAULT_CHECKPOINT}`"
+
+    rows, declared = _tables(ROUTER_SECTION), router_parameters()
+    r = {key: (name, p, default) for key, name, p, default in declared}
+    assert shown_default(*r["max_stop_strings"]) == "16" and rows["max_stop_strings"] == "16"
+    assert shown_default(*r["online_quantum_s"]) == "`auto`" and shown_default(*r["models"]) == "`slm,llm`"
+    changed = [(key, name, p, 17 if key == "max_stop_strings" else default) for key, name, p, default in declared]
+    assert _disagreements(rows, changed) == ["max_stop_strings: the page says '16', declared '17'"]
+    assert _disagreements({k: v for k, v in rows.items() if k != "transport"}, declared) == [
+        "transport: declared, no row"]
+    assert _disagreements({**rows, "max_prompt_bytes": "1"}, declared) == ["max_prompt_bytes: a row, not declared"]
+
+
+def test_model_role_is_declared_and_refused_naming_it():
+    assert ModelRole.from_parameters({}).role == "llm" and ModelRole.from_parameters({"role": "router"}).role == "router"
+    with pytest.raises(ValueError, match="role must be one of llm, router, got 'Router'"):
+        ModelRole.from_parameters({"role": "Router"})
 
 
 def test_read_parameter_kinds():
@@ -239,3 +282,35 @@ def test_read_parameter_kinds():
     assert read_parameter(p, "absent", None, int) is None
     with pytest.raises(ValueError, match="config parameter 's': cannot read ' x ' as int"):
         read_parameter(p, "s", 0, int)
+
+
+# ------------------------------------------------------------------------- configure at run time
+def test_configure_reads_the_declared_scheduling_parameters():
+    """A running model's ``configure`` op reads the same declarations as its config: units (µs -> s),
+    kinds and ranges; no clamping at run time; other keys are not its to read."""
+    from tokenrouter.triton.settings import RUNTIME_SCHEDULING, scheduling_changes
+
+    keys = {p.parameter(n) for n, p, _ in declarations_of(SubserverConfig)}
+    assert set(RUNTIME_SCHEDULING) <= keys
+    got = scheduling_changes(SubserverConfig(), {"delayed_batch_size": 3, "delayed_batch_max_wait_us": 2500,
+                                                 "stream_interval": "2", "readmit_on_resume": True,
+                                                 "prefill_chunk_tokens": 0, "prefix_cache": False})
+    assert got == {"delayed_batch_size": 3, "max_wait_s": 0.0025, "stream_interval": 2,
+                   "readmit_on_resume": True, "prefill_chunk_tokens": 0}
+    assert scheduling_changes(SubserverConfig(), {"delayed_batch_max_wait_us": 7000.0}) == {"max_wait_s": 0.007}
+
+
+@pytest.mark.parametrize("cfg, message", [
+    ({"prefill_chunk_tokens": 1.7}, "prefill_chunk_tokens must be an integer >= 0, got 1.7"),
+    ({"prefill_chunk_tokens": True}, "prefill_chunk_tokens must be an integer >= 0, got True"),
+    ({"prefill_chunk_tokens": "abc"}, "prefill_chunk_tokens must be an integer >= 0, got 'abc'"),
+    ({"delayed_batch_size": 0}, "delayed_batch_size must be an integer >= 1, got 0"),  # clamped at load, not here
+    ({"delayed_batch_max_wait_us": -1}, "delayed_batch_max_wait_us must be an integer >= 0, got -1"),
+    ({"stream_interval": float("nan")}, "stream_interval must be an integer >= 1"),
+    ({"readmit_on_resume": 1}, "readmit_on_resume must be true or false, got 1"),
+])
+def test_configure_refuses_a_bad_value_naming_it(cfg, message):
+    from tokenrouter.triton.settings import scheduling_changes
+
+    with pytest.raises(ValueError, match="^configure: " + re.escape(message)):
+        scheduling_changes(SubserverConfig(), cfg)

@@ -205,7 +205,7 @@ def test_verification_without_an_own_token_in_the_engine():
     def run(verdict, drafts=(3, 4, 9)):
         algo = SimpleNamespace(verify=lambda *a: verdict, peer_model=lambda k: 0)
         lr = SimpleNamespace(rid="r", verify=list(drafts), seq=SimpleNamespace(tokens=[7, 7] + list(drafts)),
-                             algo=algo, spec_round=None)
+                             algo=algo, spec_round=None, header=SimpleNamespace(sampling={}, extras={}))
         proc = SimpleNamespace(engine=Engine(), counters=collections.Counter(), sampler=None,
                                constrained=ConstrainedDecoding("unguided", 10))  # no grammar: logits as they are
         toks, lps, in_seq = OutputProcessorMixin._verify_row(proc, lr, None, torch.zeros(len(drafts) + 1, 10))
@@ -221,6 +221,59 @@ def test_verification_without_an_own_token_in_the_engine():
     for bad in (Verdict([3, 4], 2), Verdict([3, 5], 2), Verdict([3, 4, 9, 1, 2], 3), Verdict([], 0), [3, 5, 1]):
         with pytest.raises(ValueError, match="verify returned"):
             run(bad)
+
+
+def test_verification_logprobs_come_from_each_token_s_writer():
+    """A request that asks for logprobs (engine/output_processor.py): a kept draft reports the
+    drafting model's logprob, rank and top N (computed when it drafted, shipped with the drafts in
+    extras.draft_logprobs), the verifier's own token (a replacement or the bonus token) this model's,
+    from its raw logits at that position; drafts that come without theirs are refused."""
+    import collections
+
+    from tokenrouter.engine.constrained import ConstrainedDecoding
+    from tokenrouter.engine.output_processor import (OutputProcessorMixin, draft_logprobs_of,
+                                                     draft_logprobs_wire)
+    from tokenrouter.engine.sampling import token_logprobs
+    from tokenrouter.protocol import TokenLogprobs, Verdict
+
+    class Engine:
+        def truncate(self, seq, n):
+            freed = len(seq.tokens) - n
+            del seq.tokens[n:]
+            return freed
+
+    drafts = [3, 4, 9]
+    g = torch.Generator().manual_seed(0)
+    drafter_logits = torch.randn(len(drafts), 10, generator=g)  # the drafting model's, at each draft
+    drafted = [token_logprobs(torch.log_softmax(row, -1), d, 2) for row, d in zip(drafter_logits, drafts)]
+    wire = draft_logprobs_wire(drafted)
+    assert draft_logprobs_of({"draft_logprobs": wire}, 3) == drafted  # the JSON form round-trips
+    position_logits = torch.randn(len(drafts) + 1, 10, generator=g)  # the verifier's
+
+    def run(verdict, extras):
+        algo = SimpleNamespace(verify=lambda *a: verdict, peer_model=lambda k: 0)
+        lr = SimpleNamespace(rid="r", verify=list(drafts), seq=SimpleNamespace(tokens=[7, 7] + drafts),
+                             algo=algo, spec_round=None,
+                             header=SimpleNamespace(sampling={"temperature": 0, "logprobs": 2}, extras=extras))
+        proc = SimpleNamespace(engine=Engine(), counters=collections.Counter(), sampler=None,
+                               constrained=ConstrainedDecoding("unguided", 10))
+        return OutputProcessorMixin._verify_row(proc, lr, None, position_logits.clone())
+
+    toks, entries, _ = run(Verdict([3, 4, 5], 2), {"draft_logprobs": wire})
+    assert toks == [3, 4, 5] and entries[:2] == drafted[:2]  # the kept drafts: the drafter's
+    lp, top = entries[2]  # the replacement: the verifier's distribution at position 2
+    ref = torch.log_softmax(position_logits[2], -1)
+    assert abs(lp - float(ref[5])) < 1e-6 and top.ids == torch.argsort(ref, descending=True)[:2].tolist()
+    assert top.rank == int((ref >= ref[5]).sum()) and isinstance(top, TokenLogprobs)
+    assert abs(drafted[2][0] - float(torch.log_softmax(position_logits[2], -1)[9])) > 1e-3  # they differ
+    toks, entries, _ = run(Verdict([3, 4, 9], 3), {"draft_logprobs": wire})  # all kept, no own token
+    assert entries == drafted
+    toks, entries, _ = run([3, 4, 9, 1], {"draft_logprobs": wire})  # all kept, then the bonus token
+    assert entries[:3] == drafted
+    assert abs(entries[3][0] - float(torch.log_softmax(position_logits[3], -1)[1])) < 1e-6
+    for extras in ({}, {"draft_logprobs": wire[:2]}, {"draft_logprobs": [[0.0, "one", [], []]] * 3}):
+        with pytest.raises(ValueError, match="draft_logprobs"):
+            run(Verdict([3, 4, 5], 2), extras)
 
 
 def test_draft_verify_parameters_are_checked():
@@ -361,6 +414,30 @@ def test_greedy_equals_llm_only_under_concurrency(server, reference):
     st = wait_kv_released(server)
     for m, s in st.items():
         assert s["kv_tokens_in_use"] == 0 and s["active"] == 0, (m, s)
+
+
+@pytest.mark.parametrize("router", ["token_router_spec_reject", "token_router_dv_prob"])
+def test_logprobs_of_verified_tokens_come_from_their_writer(server, router):
+    """Logprobs N through verification rounds: the same greedy output, each token's logprob and top
+    N those of its writer in the trace (an accepted draft: the drafter; a replacement or bonus
+    token: the verifier), each model's own run for the same prefix.  Both models of this pair are
+    SmolLM2, so this checks that every token gets its own position's values through drafting,
+    shipping, verification and rollback; which model a kept draft's values come from is checked
+    without a model (test_verification_logprobs_come_from_each_token_s_writer)."""
+    from tokenrouter.engine.detok import load_tokenizer
+    from tokenrouter.routing.router_core import encode_prompt
+    from tokenrouter.triton.common import resolve_model_path
+    from tr_client import assert_from_writers
+
+    tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    prompt = PROMPTS[2]
+    plain = generate(server, prompt, greedy(16), model=router, timeout=TIMEOUT)
+    out = generate(server, prompt, greedy(16, logprobs=4), model=router, timeout=TIMEOUT)
+    assert _ids(out) == _ids(plain)
+    spec = out["routing_summary"]["speculative"]
+    assert 0 < spec["accepted"] < spec["drafted"], spec  # kept drafts and replaced ones
+    assert 0 < out["routing_summary"]["tokens_by_model"]["slm"] < len(_ids(out))
+    assert_from_writers(server, encode_prompt(tok, prompt, False), out, 4, 2e-3)
 
 
 def test_stop_and_budget_end_a_round(server):

@@ -229,6 +229,29 @@ def test_allow_everything_grammar_equals_unconstrained_greedy_output(server):
         assert free["routing_trace"]["token_ids"] == plain["routing_trace"]["token_ids"], (router, prompt)
 
 
+def test_logprobs_under_a_grammar_are_the_raw_distribution_s(server):
+    """Guided output with logprobs N: each token's logprob and top N are the raw distribution's of
+    the model that wrote it (before the grammar's mask: vLLM's raw_logprobs), its own run without a
+    grammar for the same prefix, over both models (random routing); so the grammar's token can rank
+    below tokens it forbids."""
+    from tokenrouter.engine.detok import load_tokenizer
+    from tokenrouter.routing.router_core import encode_prompt
+    from tokenrouter.triton.common import resolve_model_path
+    from tr_client import assert_from_writers, token_logprobs
+
+    prompt = "What is the capital of France?"
+    sp = {"max_tokens": 16, "temperature": 0, "guided_choice": ["Tokyo is far", "London is far"]}
+    plain = _ok(generate(server, prompt, sp, chat=True, model="token_router_random", timeout=TIMEOUT))
+    out = _ok(generate(server, prompt, {**sp, "logprobs": 3}, chat=True, model="token_router_random",
+                       timeout=TIMEOUT))
+    assert out["text_output"] == plain["text_output"] in sp["guided_choice"], out
+    assert min(out["routing_summary"]["tokens_by_model"].values()) >= 1, out["routing_summary"]
+    tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
+    assert_from_writers(server, encode_prompt(tok, prompt, True), out, 3, 2e-3, same_token=False)
+    entries = token_logprobs(out["logprobs"])
+    assert entries[0]["rank"] > 1, entries[0]  # "Tokyo"/"London" are not the model's first choice
+
+
 def test_guided_and_plain_requests_together(server):
     jobs = [(PROMPTS[i % 3], _guided(SCHEMAS[i % 3]), SCHEMAS[i % 3]) for i in range(8)] + \
            [("Tell me a story.", {"max_tokens": 24, "temperature": 0}, None) for _ in range(4)]

@@ -29,7 +29,7 @@ def generate(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, 
     r = requests.post(f"http://{server.http_url}/v2/models/{model}/generate", json=body, timeout=timeout)
     out = r.json()
     out["_status"] = r.status_code
-    for k in ("routing_summary", "routing_trace"):
+    for k in ("routing_summary", "routing_trace", "logprobs"):
         if isinstance(out.get(k), str):
             out[k] = json.loads(out[k])
     return out
@@ -81,11 +81,12 @@ def router_inputs(prompt: str, sampling: Optional[Dict[str, Any]], stream: bool,
 def grpc_stream(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, stream: bool = True,
                 chat: bool = False, trace: bool = True, timeout: float = 300,
                 inputs: Optional[List[Any]] = None, model: str = "token_router") -> Dict[str, Any]:
-    """One request over a gRPC stream to router ``model``; returns chunks, final fields, or ``error``."""
+    """One request over a gRPC stream to router ``model``; returns chunks, final fields, or ``error``;
+    ``logprobs_chunks``: each response's ``logprobs`` (decoded JSON) where it has one."""
     q: "queue.Queue" = queue.Queue()
     c = grpcclient.InferenceServerClient(server.grpc_url)
     c.start_stream(callback=lambda result, error: q.put((result, error)))
-    out: Dict[str, Any] = {"chunks": [], "error": None}
+    out: Dict[str, Any] = {"chunks": [], "error": None, "logprobs_chunks": []}
     try:
         c.async_stream_infer(model, inputs or router_inputs(prompt, sampling, stream, chat=chat,
                                                                       trace=trace),
@@ -99,6 +100,9 @@ def grpc_stream(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, 
             t = result.as_numpy("text_output")
             if t is not None and t.size:
                 out["chunks"].append(t.reshape(-1)[0].decode("utf-8"))
+            lp = result.as_numpy("logprobs")
+            if lp is not None and lp.size:
+                out["logprobs_chunks"].append(json.loads(lp.reshape(-1)[0]))
             for k in ("finish_reason", "routing_summary", "routing_trace"):
                 v = result.as_numpy(k)
                 if v is not None and v.size:
@@ -169,3 +173,110 @@ def wait_kv_released(server, models=("slm", "llm"), timeout: float = 30.0) -> Di
         if all(s["kv_tokens_in_use"] == 0 and s["active"] == 0 for s in st.values()) or time.time() > deadline:
             return st
         time.sleep(0.2)
+
+
+# ------------------------------------------------------------------ logprobs
+def token_logprobs(entries: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The router's ``logprobs`` output (vllm_backend's: per token ``{"<id>": {"logprob", "rank",
+    "decoded_token"}}``, the token first) as per-token ``{"id", "logprob", "rank", "top": [(id,
+    logprob), ...]}``: ``top`` the other entries in the order sent (the top N, most likely first;
+    the token itself among them when it is one of the N)."""
+    out = []
+    for d in entries:
+        items = [(int(k), v) for k, v in d.items()]
+        tid, first = items[0]
+        top = [(i, v["logprob"]) for i, v in items[1:]]
+        out.append({"id": tid, "logprob": first["logprob"], "rank": first["rank"], "decoded": first["decoded_token"],
+                    "top": top, "top_ranks": [v["rank"] for _, v in items[1:]]})
+    return out
+
+
+def top_n(entry: Dict[str, Any], n: int) -> List[tuple]:
+    """The ``n`` most likely tokens of one :func:`token_logprobs` entry, most likely first."""
+    return sorted(entry["top"] + [(entry["id"], entry["logprob"])], key=lambda a: -a[1])[:n]
+
+
+def model_next_token(server, model: str, token_ids: List[int], n: int, models=("slm", "llm"),
+                     timeout: float = 300) -> Dict[str, Any]:
+    """One model alone writes one greedy token after ``token_ids`` (a ``run`` op straight to its Triton
+    interface: the exact ids, no tokenizer): ``{"id", "logprob", "rank", "top": [(id, logprob), ...]}``
+    with its top ``n``, from the model's own raw distribution for that prefix."""
+    import uuid
+
+    rid = "next-" + uuid.uuid4().hex
+    hdr = json.dumps({"rid": rid, "max_tokens": 1, "models": list(models), "algorithm": "none",
+                      "params": {"model": list(models).index(model)},
+                      "sampling": {"temperature": 0, "logprobs": n}})
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put((result, error)))
+    ids: List[int] = []
+    lps: List[float] = []
+    tops: List[Any] = []
+    try:
+        c.async_stream_infer(model, [_input("request_id", np.array([[rid.encode()]], dtype=np.object_), "BYTES"),
+                                     _input("input_ids", np.array([token_ids], dtype=np.int64), "INT64"),
+                                     _input("peer_req", np.array([[hdr.encode()]], dtype=np.object_), "BYTES")])
+        while True:
+            result, error = q.get(timeout=timeout)
+            if error is not None:
+                raise RuntimeError(str(error))
+            ev = json.loads(result.as_numpy("event").reshape(-1)[0])
+            ids += [int(t) for t in result.as_numpy("output_ids").reshape(-1)]
+            lps += ev.get("logprobs") or []
+            tops += ev.get("top_logprobs") or []
+            if ev["kind"] != "tokens":
+                break
+    finally:
+        c.stop_stream()
+        c.close()
+    assert len(ids) == len(lps) == len(tops) == 1, (ids, lps, tops)
+    rank, top_ids, top_lps = tops[0]
+    return {"id": ids[0], "logprob": lps[0], "rank": rank, "top": list(zip(top_ids, top_lps))}
+
+
+def assert_top_close(got: List[tuple], ref: List[tuple], tol: float, where: str = "") -> None:
+    """Two top-N lists ``[(id, logprob), ...]`` (most likely first) agree within ``tol``: the same
+    logprob at each place, and the same ids, except ids that trade places with a near-tie or sit at
+    the boundary of the N within ``tol`` of the last value."""
+    assert len(got) == len(ref), (where, got, ref)
+    for (gi, gv), (ri, rv) in zip(got, ref):
+        assert abs(gv - rv) <= tol, (where, got, ref)
+    g, r = dict(got), dict(ref)
+    for i in set(g) ^ set(r):
+        v, last = (g[i], got[-1][1]) if i in g else (r[i], ref[-1][1])
+        assert abs(v - last) <= 2 * tol, (where, got, ref)
+    for i in set(g) & set(r):
+        assert abs(g[i] - r[i]) <= tol, (where, got, ref)
+
+
+def own_runs(server, prompt_ids: List[int], ids: List[int], models: List[str], n: int,
+             workers: int = 4) -> List[Dict[str, Any]]:
+    """For each output position i, model ``models[i]``'s own greedy next token after ``prompt_ids +
+    ids[:i]`` with its top ``n`` (:func:`model_next_token`), a few at a time."""
+    import concurrent.futures as cf
+
+    with cf.ThreadPoolExecutor(workers) as ex:
+        return list(ex.map(lambda i: model_next_token(server, models[i], prompt_ids + ids[:i], n), range(len(ids))))
+
+
+def assert_from_writers(server, prompt_ids: List[int], out: Dict[str, Any], n: int, tol: float,
+                        models=("slm", "llm"), same_token: bool = True) -> List[Dict[str, Any]]:
+    """Every output token of a greedy routed answer ``out`` (with ``routing_trace`` and ``logprobs`` N =
+    ``n``) carries the logprob and top ``n`` of the model that wrote it (``routing_trace.trace``): its
+    own run (no grammar) for the same prefix agrees within ``tol``, and gives the same token unless
+    ``same_token`` is False (a grammar chose the token; its logprob is then compared where the run's
+    top ``n`` holds it).  Returns those runs."""
+    ids, trace = out["routing_trace"]["token_ids"], out["routing_trace"]["trace"]
+    entries = token_logprobs(out["logprobs"])
+    assert [e["id"] for e in entries] == ids
+    refs = own_runs(server, prompt_ids, ids, [models[w] for w in trace], n)
+    for i, (e, ref) in enumerate(zip(entries, refs)):
+        where = f"token {i} by {models[trace[i]]}"
+        if same_token:
+            assert ref["id"] == e["id"], (where, ref, e)
+            assert abs(ref["logprob"] - e["logprob"]) <= tol, (where, ref, e)
+        elif e["id"] in dict(ref["top"]):
+            assert abs(dict(ref["top"])[e["id"]] - e["logprob"]) <= tol, (where, ref, e)
+        assert_top_close(top_n(e, n), ref["top"], tol, where)
+    return refs

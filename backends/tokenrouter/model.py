@@ -39,14 +39,14 @@ class TritonPythonModel:
     """Dispatches to the router or LLM implementation named by the ``role`` parameter."""
 
     def initialize(self, args):
-        params = json.loads(args["model_config"]).get("parameters") or {}
-        role = (params.get("role") or {}).get("string_value", "llm") or "llm"
+        from tokenrouter.triton.common import model_parameters
+        from tokenrouter.triton.settings import ModelRole  # role's default and values are declared there
+
+        role = ModelRole.from_parameters(model_parameters(json.loads(args["model_config"]))).role
         if role == "router":
             from tokenrouter.triton.router_model import TritonPythonModel as impl
-        elif role == "llm":
-            from tokenrouter.triton.llm_model import TritonPythonModel as impl
         else:
-            raise ValueError(f"config parameter role must be 'llm' or 'router', got {role!r}")
+            from tokenrouter.triton.llm_model import TritonPythonModel as impl
         self._impl = impl()
         self._impl.initialize(args)
 

@@ -64,7 +64,7 @@ import msgspec
 __all__ = ["Status", "PeerReq", "StepResult", "FinishReason", "Verdict",
            "Op", "Run", "Release", "Ping", "Stats", "Flush", "Endpoint", "ArgsOp", "Configure", "EventsQuery",
            "Calibrate", "OPS", "OpWire", "encode_op", "decode_op",
-           "Event", "SpecRound", "SegmentEvent", "Tokens", "Handoff", "Finished", "Cancelled", "Failed",
+           "Event", "SpecRound", "TokenLogprobs", "MAX_TOP_LOGPROBS", "SegmentEvent", "Tokens", "Handoff", "Finished", "Cancelled", "Failed",
            "Answer", "ModelEvent", "SEGMENT_EVENTS", "is_final", "encode_event", "decode_event"]
 
 
@@ -356,19 +356,49 @@ class SpecRound(msgspec.Struct):
     drafter: int
 
 
+#: the most top alternatives per token a request may ask for (vLLM's default ``max_logprobs``, OpenAI's
+#: ``top_logprobs`` bound)
+MAX_TOP_LOGPROBS = 20
+
+
+class TokenLogprobs(msgspec.Struct, array_like=True):
+    """A committed token's place in the distribution it was written from, and the top alternatives.
+
+    All under the raw distribution (log-softmax of the logits, natural log, before temperature,
+    penalties and a grammar's mask: vLLM's default ``raw_logprobs``) of the model whose
+    distribution decided the token: the model that wrote it; for a speculative draft the
+    verifier kept, the model that drafted it (its writer in the router's trace).  On the wire a
+    JSON array ``[rank, ids, logprobs]``.
+
+    Attributes:
+        rank: how many tokens have a logprob >= the token's (vLLM's rank; 1 = most likely).
+        ids: the N most likely token ids, most likely first (N = the request's ``logprobs``;
+            empty for 0).
+        logprobs: their logprobs (floats <= 0), in the order of ``ids``.
+    """
+
+    rank: int
+    ids: List[int] = msgspec.field(default_factory=list)
+    logprobs: List[float] = msgspec.field(default_factory=list)
+
+
 class SegmentEvent(Event, kw_only=True):
     """A response of a ``run`` segment; the token ids it commits travel beside it.
 
     Attributes:
         scores: per committed token, the router score the model's rule compared with its
             threshold (None where it has none).
-        logprobs: per committed token, its logprob (only when the request asked for them).
+        logprobs: per committed token, its logprob (only when the request asked for them:
+            sampling ``logprobs`` N >= 0).
+        top_logprobs: per committed token, its :class:`TokenLogprobs` (rank and the top N), sent
+            with ``logprobs``.
         first_step_t: ``time.monotonic()`` when the request's first step started (sent once).
         spec: the speculative verification these tokens come from, if any.
     """
 
     scores: Optional[List[Optional[float]]] = None
     logprobs: Optional[List[Optional[float]]] = None
+    top_logprobs: Optional[List[Optional[TokenLogprobs]]] = None
     first_step_t: Optional[float] = None
     spec: Optional[SpecRound] = None
 

@@ -93,6 +93,7 @@ class AdmissionMixin:
         lr.header = peer_req
         lr.header.tokens = []
         lr.algo = algo
+        lr.draft_logprobs = []  # a visit's drafts' logprobs left with its handoff
         if lr.drafts:
             tokens = self._rollback_drafts(lr, tokens)
         if self.config.readmit_on_resume:

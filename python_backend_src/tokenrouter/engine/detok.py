@@ -9,12 +9,14 @@ cannot (the output is cut before the first stop string, as in vLLM).
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import List, Sequence
+import re
+from typing import Dict, List, Optional, Sequence
 
 from tokenizers.decoders import DecodeStream
 
-__all__ = ["IncrementalDetokenizer", "stop_token_ids", "load_tokenizer"]
+__all__ = ["IncrementalDetokenizer", "TokenStrings", "stop_token_ids", "load_tokenizer"]
 
 
 def load_tokenizer(path: str):
@@ -107,3 +109,77 @@ class IncrementalDetokenizer:
         out, self._pending = self._pending, ""
         self.text += out
         return out
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_table() -> Dict[str, int]:
+    """Byte-level BPE's alphabet: the character that stands for each byte (GPT-2's ``bytes_to_unicode``),
+    inverted: character -> byte value."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    cs = list(bs)
+    extra = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(bs, cs)}
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+class TokenStrings:
+    """Each token id's own text and bytes: the ``decoded_token`` of vllm_backend's ``logprobs``
+    output, the ``token`` and ``bytes`` of OpenAI's logprobs.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        cache_size: token ids whose strings are kept (an LRU cache per method).
+
+    ``text(id)`` is the token decoded alone (``tokenizer.decode([id])``, special tokens kept), as vLLM
+    reports it: a token that holds part of a UTF-8 character shows as U+FFFD there.  ``bytes(id)`` is
+    the token's exact bytes (a tuple of ints in 0 … 255), so that a client can join a character split
+    over tokens: byte-level
+    BPE tokenizers (GPT-2's scheme: Qwen2.5, SmolLM2, Llama 3) map the token's string back through
+    their byte alphabet; added (special) tokens give their content's UTF-8; other tokenizers the
+    UTF-8 of ``text(id)`` (a SentencePiece byte token ``<0xNN>`` its byte).  An id the tokenizer
+    does not know (a padded vocabulary row) is ``""`` and ``[]``.
+    """
+
+    def __init__(self, tokenizer, cache_size: int = 65536):
+        self._tok = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        decoder = getattr(backend, "decoder", None)
+        self._byte_level = type(decoder).__name__ == "ByteLevel"
+        self._added = {int(i): t.content for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+        self.text = functools.lru_cache(maxsize=cache_size)(self._text)
+        self.bytes = functools.lru_cache(maxsize=cache_size)(self._bytes)
+
+    def _piece(self, token_id: int) -> Optional[str]:
+        try:
+            return self._tok.convert_ids_to_tokens(int(token_id))
+        except (IndexError, OverflowError, TypeError, ValueError):
+            return None
+
+    def _text(self, token_id: int) -> str:
+        if self._piece(token_id) is None:
+            return ""
+        return self._tok.decode([int(token_id)], skip_special_tokens=False)
+
+    def _bytes(self, token_id: int) -> tuple:
+        token_id = int(token_id)
+        if token_id in self._added:
+            return tuple(self._added[token_id].encode("utf-8"))
+        piece = self._piece(token_id)
+        if piece is None:
+            return ()
+        if self._byte_level:
+            table = _byte_level_table()
+            if all(c in table for c in piece):
+                return tuple(table[c] for c in piece)
+        m = _BYTE_TOKEN.fullmatch(piece)
+        if m:
+            return (int(m.group(1), 16),)
+        return tuple(self._text(token_id).encode("utf-8"))

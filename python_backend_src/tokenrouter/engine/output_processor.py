@@ -20,17 +20,50 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..protocol import FinishReason, StepResult, Verdict
+from ..protocol import FinishReason, StepResult, TokenLogprobs, Verdict
 from .request import LocalRequest
-from .sampling import normalized_entropy
+from .sampling import logprobs_count, normalized_entropy, token_logprobs
 from .sequence import ForwardOutput
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OutputProcessorMixin", "SampledRows", "StepTally", "ROW_OUTCOMES"]
+__all__ = ["OutputProcessorMixin", "SampledRows", "StepTally", "ROW_OUTCOMES", "draft_logprobs_wire",
+           "draft_logprobs_of"]
 
 #: what :meth:`OutputProcessorMixin._process_row` returns
 ROW_OUTCOMES = ("error", "finished", "handoff", "streamed", "kept")
+
+#: one committed token's logprob and :class:`TokenLogprobs` (None: the request asked for none)
+LogprobEntry = Optional[Tuple[float, TokenLogprobs]]
+
+
+def draft_logprobs_wire(entries: List[Tuple[float, TokenLogprobs]]) -> List[list]:
+    """Drafts' logprobs as they travel in ``PeerReq.extras["draft_logprobs"]`` (JSON): per draft
+    ``[logprob, rank, ids, logprobs]``."""
+    return [[lp, t.rank, list(t.ids), list(t.logprobs)] for lp, t in entries]
+
+
+def draft_logprobs_of(extras: Dict[str, Any], n_drafts: int) -> List[Tuple[float, TokenLogprobs]]:
+    """The drafting model's logprobs of the ``n_drafts`` drafts a verifier received (inverse of
+    :func:`draft_logprobs_wire`).
+
+    Raises:
+        ValueError: ``extras["draft_logprobs"]`` missing, not one entry per draft, or malformed.
+    """
+    raw = extras.get("draft_logprobs")
+    if not isinstance(raw, list) or len(raw) != n_drafts:
+        raise ValueError("a request that asks for logprobs needs its drafts' logprobs from the drafting model "
+                         "(extras.draft_logprobs, one entry per draft)")
+    out = []
+    for e in raw:
+        ok = isinstance(e, list) and len(e) == 4 and isinstance(e[0], (int, float)) and not isinstance(e[0], bool) \
+            and isinstance(e[1], int) and isinstance(e[2], list) and isinstance(e[3], list) \
+            and len(e[2]) == len(e[3]) and all(isinstance(x, int) for x in e[2]) \
+            and all(isinstance(x, (int, float)) for x in e[3])
+        if not ok:
+            raise ValueError("extras.draft_logprobs: each entry must be [logprob, rank, ids, logprobs]")
+        out.append((float(e[0]), TokenLogprobs(rank=e[1], ids=list(e[2]), logprobs=[float(x) for x in e[3]])))
+    return out
 
 
 @dataclass
@@ -39,20 +72,29 @@ class SampledRows:
 
     Attributes:
         tokens: int token id per row.
-        logprobs: its raw log-probability per row (float).
         probs: its probability per row (float), under the distribution it was sampled from.
         entropies: the row's normalised entropy (in [0, 1]), of that distribution.
         errors: row index -> message, for rows whose sampling failed.
         logits: float32 ``[B, V]``, the logits sampled from: the raw ones, or a guided request's
             with the tokens its grammar does not allow at -inf (:mod:`tokenrouter.engine.constrained`).
+        top_n: row index -> N, for the rows whose request asks for logprobs (N top alternatives).
+        raw_logp: row index -> float32 ``[V]``, the raw log-softmax of that row's logits (those rows
+            only: a request that asks for no logprobs costs nothing here).
     """
 
     tokens: List[int]
-    logprobs: List[float]
     probs: List[float]
     entropies: List[float]
     errors: Dict[int, str]
     logits: Optional[torch.Tensor] = None
+    top_n: Dict[int, int] = field(default_factory=dict)
+    raw_logp: Dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def entry(self, i: int, token: int) -> LogprobEntry:
+        """Row ``i``'s logprob and :class:`TokenLogprobs` of ``token`` (the sampled token, or a draft),
+        from the row's raw distribution; None when its request asks for no logprobs."""
+        n = self.top_n.get(i)
+        return None if n is None else token_logprobs(self.raw_logp[i], token, n)
 
 
 @dataclass
@@ -89,8 +131,9 @@ class OutputProcessorMixin:
         """Extras of a sink call: ``logprobs`` of the tokens it carries (when asked for) and,
         once, ``first_step_t`` (monotonic clock, shared by the processes of one host)."""
         info: Dict[str, Any] = {}
-        if lr.header.sampling.get("logprobs"):
+        if logprobs_count(lr.header.sampling) is not None:
             info["logprobs"], lr.unflushed_logprobs = lr.unflushed_logprobs, []
+            info["top_logprobs"], lr.unflushed_top = lr.unflushed_top, []
         if lr.first_step_t is not None:
             info["first_step_t"], lr.first_step_t = lr.first_step_t, None
         if lr.spec_round is not None:
@@ -112,18 +155,27 @@ class OutputProcessorMixin:
         sequence, KV computed by the next extend): the next verification then has the k + 1
         new tokens whose logits it needs, and a request that stays here has a token to run.
 
+        Logprobs (a request that asks for them): an accepted draft's are the drafting model's,
+        computed when it drafted and received in ``extras["draft_logprobs"]``: its writer in the
+        router's trace, and the distribution the token was drawn from.  The verifier's own token
+        (a replacement or the bonus token) gets this model's, from its raw logits at that position.
+
         Returns:
-            ``(tokens, logprobs, in_seq)``: the tokens to commit (accepted drafts first), the
-            raw logprob of each under this model, and how many leading ones stay in the
-            sequence with their KV (the accepted drafts; one fewer without an own token).
+            ``(tokens, entries, in_seq)``: the tokens to commit (accepted drafts first), each one's
+            logprob entry (:meth:`SampledRows.entry`'s form; None when the request asks for none),
+            and how many leading ones stay in the sequence with their KV (the accepted drafts; one
+            fewer without an own token).
 
         Raises:
             ValueError: the algorithm returned something that is not an accepted prefix plus at
-                most one token (none only when every draft is accepted).
+                most one token (none only when every draft is accepted); a request that asks for
+                logprobs whose drafts came without theirs.
         """
         drafts, lr.verify = lr.verify, []
         if position_logits is None or position_logits.shape[0] != len(drafts) + 1:
             raise ValueError("the engine returned no logits at the drafted positions")
+        n_top = logprobs_count(lr.header.sampling)
+        drafted = None if n_top is None else draft_logprobs_of(lr.header.extras, len(drafts))
         # guided decoding: each drafted position masked by the grammar state before it
         v = lr.algo.verify(res, self.constrained.mask_positions(lr, drafts, position_logits), drafts, self.sampler)
         if isinstance(v, Verdict):
@@ -141,10 +193,15 @@ class OutputProcessorMixin:
         self.counters["verifications"] += 1
         self.counters["drafts_verified"] += len(drafts)
         self.counters["drafts_accepted"] += n_acc
-        logp = torch.log_softmax(position_logits[: len(toks)], dim=-1)
-        lps = logp.gather(1, torch.tensor(toks, dtype=torch.long).view(-1, 1)).view(-1).tolist()
+        if drafted is None:
+            entries: List[LogprobEntry] = [None] * len(toks)
+        else:
+            entries = list(drafted[:n_acc])
+            if own:
+                entries.append(token_logprobs(torch.log_softmax(position_logits[n_acc].float(), dim=-1),
+                                              toks[n_acc], n_top))
         lr.spec_round = {"drafted": len(drafts), "accepted": n_acc, "drafter": lr.algo.peer_model(1)}
-        return toks, lps, in_seq
+        return toks, entries, in_seq
 
     def process_batch_result(self, batch: List[LocalRequest], out: ForwardOutput, t0: float, t_fwd: float,
                              has_prefill: bool) -> None:
@@ -167,7 +224,9 @@ class OutputProcessorMixin:
         self._requeue(batch)
 
     def _sample(self, batch: List[LocalRequest], out: ForwardOutput) -> SampledRows:
-        """One token per row, with its log-probability, probability and the row's entropy."""
+        """One token per row, with its probability and the row's entropy; and, for the rows whose
+        request asks for logprobs (not rows that verify drafts: :meth:`_verify_row`), the raw
+        log-softmax their entries are read from."""
         errors: Dict[int, str] = {}
         # guided decoding: disallowed tokens at -inf for sampling, routing and drafting
         logits = self.constrained.mask(batch, out.logits, errors)
@@ -176,11 +235,16 @@ class OutputProcessorMixin:
                                    errors=errors, contexts=[self._sampling_context(lr) for lr in batch])
         tok_logp = logp.gather(1, toks.view(-1, 1)).view(-1)
         probs = tok_logp.exp().tolist()
-        if logits is not out.logits and any(lr.header.sampling.get("logprobs") for lr in batch):
-            # reported logprobs are the raw logits' (tokenrouter.engine.constrained)
-            tok_logp = torch.log_softmax(out.logits, dim=-1).gather(1, toks.view(-1, 1)).view(-1)
-        return SampledRows(tokens=toks.tolist(), logprobs=tok_logp.tolist(), probs=probs,
-                           entropies=normalized_entropy(logp).tolist(), errors=errors, logits=logits)
+        top_n = {i: n for i, lr in enumerate(batch)
+                 if not lr.verify and (n := logprobs_count(lr.header.sampling)) is not None}
+        raw_logp: Dict[int, torch.Tensor] = {}
+        if top_n:
+            rows = sorted(top_n)
+            # reported logprobs are the raw logits' (tokenrouter.engine.constrained): those rows only
+            raw = logp[rows] if logits is out.logits else torch.log_softmax(out.logits[rows], dim=-1)
+            raw_logp = {i: raw[j] for j, i in enumerate(rows)}
+        return SampledRows(tokens=toks.tolist(), probs=probs, entropies=normalized_entropy(logp).tolist(),
+                           errors=errors, logits=logits, top_n=top_n, raw_logp=raw_logp)
 
     def _process_row(self, lr: LocalRequest, i: int, out: ForwardOutput, sampled: SampledRows,
                      tally: StepTally) -> str:
@@ -206,11 +270,14 @@ class OutputProcessorMixin:
             lr.seq.tokens.append(int(drafted))
             lr.drafts += 1
             self.counters["draft_tokens"] += 1
+            entry = sampled.entry(i, int(drafted))
+            if entry is not None:  # travels to the verifier with the drafts
+                lr.draft_logprobs.append(entry)
             toks, lps, in_seq = [], [], 0
         elif verified is not None:  # kept drafts + own token; the first in_seq already in the sequence
             toks, lps, in_seq = verified
         elif k == 0 or lr.algo.commit_on_handoff(res):
-            toks, lps, in_seq = [sampled.tokens[i]], [sampled.logprobs[i]], 0
+            toks, lps, in_seq = [sampled.tokens[i]], [sampled.entry(i, sampled.tokens[i])], 0
         else:
             toks, lps, in_seq = [], [], 0
         n, finished = self._commit(lr, toks, lps, in_seq)
@@ -251,21 +318,25 @@ class OutputProcessorMixin:
         return k
 
     @staticmethod
-    def _commit(lr: LocalRequest, toks: List[int], lps: List[float],
+    def _commit(lr: LocalRequest, toks: List[int], lps: List[LogprobEntry],
                 in_seq: int) -> Tuple[int, Optional[FinishReason]]:
-        """Commit ``toks`` (their logprobs ``lps``; the first ``in_seq`` are in the sequence already) up
-        to the first that ends the request: a stop token or the ``max_tokens`` budget.
+        """Commit ``toks`` (their logprob entries ``lps``, each ``(logprob, TokenLogprobs)`` when the
+        request asks for logprobs; the first ``in_seq`` are in the sequence already) up to the
+        first that ends the request: a stop token or the ``max_tokens`` budget.
 
         Returns:
             ``(tokens committed, why the request finished or None)``.
         """
         hdr = lr.header
+        want = logprobs_count(hdr.sampling) is not None
         for j, tok in enumerate(toks):
             if j >= in_seq:
                 lr.seq.tokens.append(tok)
             lr.unflushed.append(tok)
-            if hdr.sampling.get("logprobs"):
-                lr.unflushed_logprobs.append(lps[j])
+            if want:
+                lp, top = lps[j]
+                lr.unflushed_logprobs.append(lp)
+                lr.unflushed_top.append(top)
             hdr.num_generated += 1
             reason = FinishReason.STOP if tok in hdr.stop_token_ids else \
                 FinishReason.LENGTH if hdr.num_generated >= hdr.max_tokens else None
@@ -281,6 +352,11 @@ class OutputProcessorMixin:
         hdr = lr.header
         peer = lr.algo.peer_model(k)
         pr = lr.algo.send(lr)
+        if "draft_logprobs" in pr.extras or lr.draft_logprobs:  # the drafts' logprobs go with the drafts only
+            pr.extras = {k_: v for k_, v in pr.extras.items() if k_ != "draft_logprobs"}
+            if lr.draft_logprobs:
+                pr.extras["draft_logprobs"] = draft_logprobs_wire(lr.draft_logprobs)
+                lr.draft_logprobs = []
         lr.loc = len(lr.seq.tokens)
         self.counters["handoffs_out"] += 1
         tally.handoffs.append((lr.rid, hdr.step, hdr.models[peer], 1 if committed else 0, lr.algo.last_score))

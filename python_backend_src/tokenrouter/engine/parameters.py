@@ -10,12 +10,16 @@ name of its config parameter, beside the field's default.  From these declaratio
 * a test holds docs/configuration.md to them (:func:`shown_default`).
 
 This module holds no setting itself: :mod:`tokenrouter.engine.config` declares the engine's and
-the decode loop's, :mod:`tokenrouter.triton.settings` those of the model process.
+the decode loop's, :mod:`tokenrouter.engine.sampling` the limits on a request's sampling parameters,
+:mod:`tokenrouter.routing.online_bstar` and :mod:`tokenrouter.routing.curve` the router's online
+adaptation and the channel's CURVE keys, :mod:`tokenrouter.triton.settings` those of the model and
+router processes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Tuple
 
@@ -33,7 +37,11 @@ class Param:
         doc: what it does, one or two sentences.
         unit: the unit of the field's value (``"tokens"``, ``"s"``, ``"requests"``, …); "" for none.
         ge: the smallest value allowed, or None (no lower bound).
+        gt: a bound the value must exceed (a strict ``> gt``), or None.
+        finite: the value must be a finite number (no ``inf``, no ``nan``).
         choices: the values allowed (strings), or () for any.
+        fold_case: the parameter's value is read with surrounding spaces stripped and lower-cased
+            (a case-insensitive choice: `` Triton `` reads as ``triton``).
         key: its config parameter in ``config.pbtxt``: "" = the field's name; None = no config
             parameter (set by the code that builds the object).
         kind: the type of the parameter's value (``int``, ``float``, ``bool``, ``str``); None =
@@ -48,7 +56,10 @@ class Param:
     doc: str
     unit: str = ""
     ge: Optional[float] = None
+    gt: Optional[float] = None
+    finite: bool = False
     choices: Tuple[str, ...] = ()
+    fold_case: bool = False
     key: Optional[str] = ""
     kind: Optional[type] = None
     scale: float = 1
@@ -67,24 +78,39 @@ class Param:
         return type(self.unset if default is None and self.unset is not NOTHING else default)
 
     def range_text(self) -> str:
-        """The allowed values in words ("" where any value goes)."""
+        """The allowed values in words ("" where any value goes): ``one of a, b``, ``>= 0``, ``> 0``,
+        ``a finite number > 0``."""
         if self.choices:
             return "one of " + ", ".join(self.choices)
-        return f">= {self.ge:g}" if self.ge is not None else ""
+        bounds = [f">= {self.ge:g}"] if self.ge is not None else []
+        bounds += [f"> {self.gt:g}"] if self.gt is not None else []
+        return " ".join((["a finite number"] if self.finite else []) + bounds)
+
+    def allows(self, v: Any) -> bool:
+        """Whether the (non-None) value ``v`` is in range."""
+        if self.choices:
+            return v in self.choices
+        if self.finite and not math.isfinite(v):
+            return False
+        return (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
 
 
-def param(default: Any = dataclasses.MISSING, **declaration: Any) -> Any:
-    """A dataclass field with default ``default`` (none: required), declared by ``Param(**declaration)``."""
-    return dataclasses.field(default=default, metadata={"param": Param(**declaration)})
+def param(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,
+          **declaration: Any) -> Any:
+    """A dataclass field with default ``default`` (or made by ``default_factory``, for a mutable
+    one such as ``{}``; neither: required), declared by ``Param(**declaration)``."""
+    return dataclasses.field(default=default, default_factory=default_factory,
+                             metadata={"param": Param(**declaration)})
 
 
 def declarations(cls: type) -> Iterator[Tuple[str, Param, Any]]:
     """``(field name, Param, default)`` of each declared field of the dataclass ``cls``, in order
-    (the default is ``dataclasses.MISSING`` for a required field)."""
+    (a ``default_factory``'s value; ``dataclasses.MISSING`` for a required field)."""
     for f in dataclasses.fields(cls):
         p = f.metadata.get("param")
         if p is not None:
-            yield f.name, p, f.default
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            yield f.name, p, default
 
 
 def check_ranges(obj: Any) -> None:
@@ -100,7 +126,7 @@ def check_ranges(obj: Any) -> None:
         v = getattr(obj, name)
         if v is None:
             continue
-        if (p.choices and v not in p.choices) or (p.ge is not None and not v >= p.ge):
+        if not p.allows(v):
             key = p.parameter(name)
             label = name if key in (None, name) else f"{name} (config parameter {key})"
             raise ValueError(f"{label} must be {p.range_text()}, got {v!r}")

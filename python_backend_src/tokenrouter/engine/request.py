@@ -8,9 +8,9 @@ a request to this model) receiving ``sink(kind, tokens, info)`` where ``kind`` i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from ..protocol import PeerReq
+from ..protocol import PeerReq, TokenLogprobs
 from .sequence import Sequence
 
 __all__ = ["LocalRequest", "Sink", "FINAL_KINDS", "BUSY_PREFIX"]
@@ -44,6 +44,7 @@ class LocalRequest:
         unflushed: committed tokens not yet streamed.
         prefilled: its prompt has been run (later extends are resumes).
         unflushed_logprobs: log-probabilities of ``unflushed`` (when the request asks for them).
+        unflushed_top: their :class:`~tokenrouter.protocol.TokenLogprobs` (rank, top N), likewise.
         first_step_t: ``time.monotonic()`` at the start of the request's first
             step (its queue time ends there), until reported to the router.
         drafts: speculative decoding, drafting model: how many trailing ``seq.tokens`` are
@@ -54,6 +55,10 @@ class LocalRequest:
             drafted position: ``Sequence.verify_positions``); empty otherwise.
         spec_round: ``{"drafted", "accepted", "drafter"}`` of the latest verification, shipped
             to the router with the tokens it committed (``spec`` in the sink's info).
+        draft_logprobs: speculative decoding, drafting model, a request that asks for logprobs:
+            ``(logprob, TokenLogprobs)`` of each draft of this visit under this model's raw
+            distribution; they travel to the verifier with the handoff (``extras["draft_logprobs"]``),
+            which reports them for the drafts it keeps.
     """
 
     rid: str
@@ -67,7 +72,9 @@ class LocalRequest:
     unflushed: List[int] = field(default_factory=list)
     prefilled: bool = False
     unflushed_logprobs: List[float] = field(default_factory=list)
+    unflushed_top: List[TokenLogprobs] = field(default_factory=list)
     first_step_t: Optional[float] = None
     drafts: int = 0
     verify: List[int] = field(default_factory=list)
     spec_round: Optional[Dict[str, int]] = None
+    draft_logprobs: List[Tuple[float, TokenLogprobs]] = field(default_factory=list)

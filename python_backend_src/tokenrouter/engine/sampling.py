@@ -23,50 +23,49 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..protocol import MAX_TOP_LOGPROBS, TokenLogprobs
 from .grammar import GUIDED_KEYS, GuidedSpec, parse_guided
+from .parameters import check_ranges, declarations, documented, param
 
 __all__ = ["SamplingParams", "filtered_probs", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
-           "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS",
-           "InputLimits", "DEFAULT_LIMITS", "json_depth", "check_json_text"]
+           "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS", "MAX_LOGPROBS",
+           "logprobs_count", "token_logprobs", "InputLimits", "DEFAULT_LIMITS", "json_depth", "check_json_text"]
 
 
+@documented
 @dataclass(frozen=True)
 class InputLimits:
     """Bounds on a client's sampling parameters, checked before any work that grows with them.
 
-    Each refusal is a ``ValueError`` naming the limit (its config key) and its value.  The
-    router reads them from its config parameters of the same names
-    (:mod:`tokenrouter.triton.router_model`); docs/reliability.md lists the defaults.
+    Each refusal is a ``ValueError`` naming the limit (its config parameter) and its value.  The
+    router reads them from its config parameters of the same names, declared here
+    (:func:`~tokenrouter.engine.parameters.param`; :class:`tokenrouter.triton.settings.RequestLimits`).
 
-    Attributes:
-        max_sampling_parameters_bytes: size in bytes of the ``sampling_parameters`` JSON
-            (or the request's parameters), checked on the raw bytes before JSON parsing.
-        max_json_depth: nesting depth of that JSON (``{"stop": ["x"]}`` is 2), checked
-            on the raw text before parsing.
-        max_stop_strings: number of ``stop`` strings.
-        max_stop_string_bytes: UTF-8 bytes of one stop string.
-        max_stop_token_ids: number of ``stop_token_ids``.
-        max_grammar_bytes: UTF-8 bytes of a guided-decoding schema, regex, grammar or choice list.
-        max_schema_depth: nesting depth of a guided-decoding JSON schema.
-        grammar_compile_timeout_ms: milliseconds a new grammar may take to compile (the router
-            compiles it before the request runs; one past the limit is refused, and so are its
-            later copies).
+    Raises:
+        ValueError: a limit that is not an integer, or out of its declared range (naming it).
     """
 
-    max_sampling_parameters_bytes: int = 64 * 1024
-    max_json_depth: int = 8
-    max_stop_strings: int = 16
-    max_stop_string_bytes: int = 1024
-    max_stop_token_ids: int = 1024
-    max_grammar_bytes: int = 32 * 1024
-    max_schema_depth: int = 32
-    grammar_compile_timeout_ms: int = 3000
+    max_sampling_parameters_bytes: int = param(64 * 1024, unit="bytes", ge=1, doc=(
+        "size of the ``sampling_parameters`` JSON (or of the request's parameters), checked on the raw "
+        "bytes before JSON parsing"))
+    max_json_depth: int = param(8, unit="levels", ge=1, doc=(
+        "nesting depth of that JSON (``{\"stop\": [\"x\"]}`` is 2), checked on the raw text before parsing"))
+    max_stop_strings: int = param(16, unit="strings", ge=1, doc="number of ``stop`` strings")
+    max_stop_string_bytes: int = param(1024, unit="bytes", ge=1, doc="UTF-8 bytes of one stop string")
+    max_stop_token_ids: int = param(1024, unit="token ids", ge=1, doc="number of ``stop_token_ids``")
+    max_grammar_bytes: int = param(32 * 1024, unit="bytes", ge=1, doc=(
+        "UTF-8 bytes of a guided-decoding schema, regex, grammar or choice list"))
+    max_schema_depth: int = param(32, unit="levels", ge=1, doc="nesting depth of a guided-decoding JSON schema")
+    grammar_compile_timeout_ms: int = param(3000, unit="ms", ge=1, doc=(
+        "a new grammar may take this long to compile (the router compiles it before the request runs; "
+        "one past the limit is refused, and so are its later copies)"))
 
     def __post_init__(self) -> None:
-        for name in self.__dataclass_fields__:
+        for name, _, _ in declarations(InputLimits):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ValueError(f"{name} must be an integer, got {v!r}")
+        check_ranges(self)
 
 
 #: the limits applied when the caller gives none
@@ -121,12 +120,12 @@ class SamplingParams:
             output token ids, as in vLLM).
         include_stop_str_in_output: keep the matched stop string in the text.
         skip_special_tokens: leave special tokens out of the text (default true).
-        logprobs: return each output token's log-probability (natural log) under
-            the raw distribution of the model that wrote it (softmax of its
-            logits, before temperature, penalties, top-k / top-p: vLLM's
-            default ``raw_logprobs``).  vLLM's ``logprobs`` is a count of
-            alternatives: only 0 (the sampled token alone) is supported;
-            ``true`` is read as 0.
+        logprobs: None (off), or N in 0 … :data:`MAX_LOGPROBS` (vLLM's ``logprobs``): return
+            each output token's log-probability (natural log), its rank and the N most
+            likely tokens with theirs, all under the raw distribution of the model that
+            wrote the token (log-softmax of its logits, before temperature, penalties,
+            top-k / top-p and a grammar's mask: vLLM's default ``raw_logprobs``).
+            ``true`` is read as 0, ``false`` as None.
         guided: what the output must match (:class:`~tokenrouter.engine.grammar.GuidedSpec`:
             a JSON schema, any JSON object, a regex, a choice of strings or an EBNF grammar),
             or None.  Both models mask their logits with one grammar state (constrained decoding).
@@ -167,7 +166,7 @@ class SamplingParams:
         if self.min_tokens:
             d["min_tokens"] = self.min_tokens
         if self.logprobs is not None:
-            d["logprobs"] = True
+            d["logprobs"] = self.logprobs
         if self.guided is not None:
             d["guided"] = self.guided.wire()
         return d
@@ -181,6 +180,8 @@ SAMPLER_KEYS = frozenset({"temperature", "top_p", "top_k", "seed", "repetition_p
                           "frequency_penalty", "min_tokens", "logprobs", "guided"})
 #: torch.Generator seeds are 64-bit signed
 MAX_SEED = 2**63 - 1
+#: the most top alternatives a request may ask for per token (:data:`tokenrouter.protocol.MAX_TOP_LOGPROBS`)
+MAX_LOGPROBS = MAX_TOP_LOGPROBS
 #: temperatures below this are greedy, as in vLLM (logits / t would overflow float32)
 SAMPLING_EPS = 1e-5
 
@@ -352,11 +353,7 @@ def _parse(d: Dict[str, Any], default_max_tokens: int, limits: InputLimits = DEF
         if isinstance(v, bool) or (isinstance(v, str) and v.strip().lower() in ("true", "false")):
             p.logprobs = 0 if _to_bool("logprobs", v) else None
         else:
-            n = num("logprobs", int, 0)
-            if n > 0:
-                raise ValueError(f"sampling_parameters.logprobs: only 0 is supported (the sampled token's "
-                                 f"logprob); top-{n} alternatives are not returned")
-            p.logprobs = n
+            p.logprobs = num("logprobs", int, 0, MAX_LOGPROBS)
     if "stop" in d:
         s = d["stop"]
         if isinstance(s, str):
@@ -402,10 +399,45 @@ def validate_sampling(sampling: Dict[str, Any]) -> None:
     parse_sampling_parameters(d)
     if "min_tokens" in sampling:
         _to_number("min_tokens", sampling["min_tokens"], int)
-    if "logprobs" in sampling and not isinstance(sampling["logprobs"], bool):
-        raise ValueError("sampling.logprobs must be true or false")
+    if "logprobs" in sampling:
+        v = sampling["logprobs"]
+        if not isinstance(v, bool) and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
+            raise ValueError(f"sampling.logprobs must be true, false or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
     if sampling.get("guided") is not None:
         GuidedSpec.from_wire(sampling["guided"])
+
+
+def logprobs_count(sampling: Dict[str, Any]) -> Optional[int]:
+    """How many top alternatives a PeerReq's sampler dict asks for per token: None (no logprobs),
+    or N in 0 … :data:`MAX_LOGPROBS` (``true``, an older router's form, is 0)."""
+    v = sampling.get("logprobs")
+    if v is None or v is False:
+        return None
+    return 0 if v is True else int(v)
+
+
+def token_logprobs(logp: torch.Tensor, token: int, n: int) -> Tuple[float, TokenLogprobs]:
+    """One committed token's logprob, rank and top-``n`` alternatives (vLLM's sample logprobs).
+
+    Args:
+        logp: float32 ``[V]``, the raw log-softmax of the logits of the model that wrote the
+            token (natural log; before temperature, penalties and any grammar mask).
+        token: the committed token id.
+        n: how many of the most likely tokens to return (0 … :data:`MAX_LOGPROBS`).
+
+    Returns:
+        ``(logprob, TokenLogprobs)``: ``logprob = logp[token]``; ``rank`` is vLLM's, the number of
+        tokens whose logprob is >= the token's (1 = most likely); ``ids`` / ``logprobs`` the ``n``
+        most likely tokens, most likely first (``torch.topk``: ties in index order).
+    """
+    lp = logp[token]
+    rank = int((logp >= lp).sum())
+    if n > 0:
+        top = torch.topk(logp, min(n, logp.shape[-1]))
+        ids, lps = top.indices.tolist(), top.values.tolist()
+    else:
+        ids, lps = [], []
+    return float(lp), TokenLogprobs(rank=rank, ids=ids, logprobs=lps)
 
 
 def apply_penalties(row: torch.Tensor, p: Dict[str, Any], context: Optional[Tuple[Sequence[int], int]]

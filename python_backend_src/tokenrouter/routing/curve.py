@@ -19,9 +19,9 @@ and the secret key.  :func:`make_keys` writes the set a deployment needs::
 
 (``python -m tokenrouter.tools.admin keys DIR`` or ``deploy/serve --keys DIR``.)
 
-Config parameters
+Config parameters (declared, with their defaults, on :class:`CurveSettings`)
 
-* model: ``curve`` (``on`` default, ``off``), ``curve_secret_key_file``
+* model: ``curve`` (``on``/``off``), ``curve_secret_key_file``
   (``DIR/server.key_secret``), ``curve_authorized_keys_dir``
   (``DIR/authorized_keys``);
 * router: ``curve`` (``on``/``off``), ``curve_secret_key_file``
@@ -46,6 +46,8 @@ from typing import Dict, Mapping, Optional, Tuple
 
 import zmq
 
+from ..engine.parameters import documented, param
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["curve_enabled", "is_tcp", "make_keys", "CurveSettings", "CurveServer", "CurveClient", "HandshakeLog"]
@@ -69,23 +71,26 @@ def curve_enabled(value: object) -> bool:
     raise ValueError(f"config parameter 'curve' must be on or off, got {value!r}")
 
 
+@documented
 @dataclass(frozen=True)
 class CurveSettings:
     """CURVE settings of one side of the channel (the config parameters of the module docstring).
 
-    Attributes:
-        enabled: ``curve`` (:func:`curve_enabled`): CURVE on TCP endpoints. Default on.
-        secret_key_file: ``curve_secret_key_file``, this side's ``.key_secret`` certificate file.
-        authorized_keys_dir: ``curve_authorized_keys_dir`` (models): folder of the public keys
-            the model accepts.
-        server_public_keys: ``curve_server_public_keys`` (routers): the remote models' public keys
-            (see :class:`CurveClient`).
+    Each is declared here once (:func:`~tokenrouter.engine.parameters.param`); a model reads
+    ``curve_authorized_keys_dir``, a router ``curve_server_public_keys``, both the other two
+    (:mod:`tokenrouter.triton.settings`).  ``curve`` is read by :func:`curve_enabled`.
     """
 
-    enabled: bool = True
-    secret_key_file: str = ""
-    authorized_keys_dir: str = ""
-    server_public_keys: str = ""
+    enabled: bool = param(True, key="curve", shown="`on`", doc=(
+        "CURVE on TCP endpoints: ``on`` or ``off`` (:func:`curve_enabled`; off only on trusted networks)"))
+    secret_key_file: str = param("", key="curve_secret_key_file", shown="none", doc=(
+        "this side's ``.key_secret`` certificate file (a model's ``DIR/server.key_secret``, a "
+        "router's ``DIR/router.key_secret``)"))
+    authorized_keys_dir: str = param("", key="curve_authorized_keys_dir", shown="none", doc=(
+        "models: folder of the routers' public keys the model accepts (``DIR/authorized_keys``)"))
+    server_public_keys: str = param("", key="curve_server_public_keys", shown="none", doc=(
+        "routers: the remote models' public keys: one file for all (``DIR/server.key``), a folder "
+        "of ``<model>.key`` (else ``server.key``), or JSON ``{\"llm\": \"path\"}`` (:class:`CurveClient`)"))
 
 
 def is_tcp(endpoint: str) -> bool:

@@ -40,15 +40,12 @@ Rules:
   ~5 s where the exact chain is too large and the search races simulations, e.g. N ≥ 16 on
   CPU step times) defers the next one by 3 d.
 
-Config parameters of the router (``parameters`` in its config.pbtxt; read into :class:`OnlineSettings`
-by :mod:`tokenrouter.triton.settings`; the metric families are the Triton glue
-:mod:`tokenrouter.triton.online`): ``online_adaptation``
-(``true``/``false``, default false), ``online_interval_s`` (default 2), ``online_window_s``
-(default 30), ``online_fixed_thresholds`` (JSON, e.g. ``{"slm": 1}``: B_i held fixed),
-``online_prior_profile`` (path of a PROFILE.json), ``online_quantum_s`` (default: automatic),
-``online_min_gain`` (relative predicted gain needed to switch B, default 0.02),
-``online_min_request_steps`` (request-steps a model needs in the window before its P, C and
-L_i are re-estimated, default 50).
+Config parameters of the router (``parameters`` in its config.pbtxt): ``online_adaptation``,
+``online_interval_s``, ``online_window_s``, ``online_fixed_thresholds``, ``online_prior_profile``,
+``online_quantum_s``, ``online_min_gain`` and ``online_min_request_steps``, declared with their
+units, ranges and defaults on :class:`OnlineSettings` and read into it by
+:mod:`tokenrouter.triton.settings`; the metric families are the Triton glue
+:mod:`tokenrouter.triton.online`.
 """
 
 from __future__ import annotations
@@ -61,6 +58,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
+from ..engine.parameters import check_ranges, documented, param
 from ..protocol import Configure, EventsQuery
 
 logger = logging.getLogger(__name__)
@@ -76,30 +74,40 @@ MAX_PULLS_PER_ROUND = 8
 SOLVE_CPU_SHARE = 0.25
 
 
+@documented
 @dataclasses.dataclass(frozen=True)
 class OnlineSettings:
-    """The router's ``online_*`` config parameters (module docstring), read and checked by
-    :func:`tokenrouter.triton.settings.online_settings`; the defaults below are the parameters'.
+    """The router's ``online_*`` config parameters (module docstring), each declared here once
+    (:func:`~tokenrouter.engine.parameters.param`); read by
+    :func:`tokenrouter.triton.settings.online_settings` (``online_fixed_thresholds``,
+    ``online_prior_profile`` and ``online_quantum_s``'s ``auto`` by its own code).
 
-    Attributes:
-        enabled: ``online_adaptation``.
-        interval_s: seconds between two adaptation rounds (> 0).
-        window_s: sliding window of events, seconds (> 0).
-        fixed_thresholds: {model: B_i} held fixed in the search.
-        prior_profile: PROFILE.json dict used until the window has data, or None.
-        quantum_s: δ of the DTMC in seconds, or None (automatic, :func:`auto_quantum_s`).
-        min_gain: relative predicted throughput gain needed to switch B (>= 0).
-        min_request_steps: request-steps a model needs in the window to be re-estimated (>= 1).
+    Raises:
+        ValueError: a value out of its declared range (naming it and its config parameter).
     """
 
-    enabled: bool = False
-    interval_s: float = 2.0
-    window_s: float = 30.0
-    fixed_thresholds: Dict[str, int] = dataclasses.field(default_factory=dict)
-    prior_profile: Optional[Dict[str, Any]] = None
-    quantum_s: Optional[float] = None
-    min_gain: float = 0.02
-    min_request_steps: int = 50
+    enabled: bool = param(False, key="online_adaptation", doc="``true`` turns the online adaptation of B* on")
+    interval_s: float = param(2.0, unit="s", gt=0, finite=True, key="online_interval_s",
+                              doc="time between two adaptation rounds")
+    window_s: float = param(30.0, unit="s", gt=0, finite=True, key="online_window_s",
+                            doc="the sliding window of routing events the adapter estimates from")
+    fixed_thresholds: Dict[str, int] = param(default_factory=dict, key="online_fixed_thresholds", shown="none", doc=(
+        "JSON ``{model: B}``: thresholds held fixed in the search, e.g. ``{\"slm\": 1}`` (each model one "
+        "of the router's, each B an integer >= 1)"))
+    prior_profile: Optional[Dict[str, Any]] = param(None, key="online_prior_profile", kind=str, shown="none", doc=(
+        "path of a PROFILE.json (``python -m scheduler_model profile``) used until the window has data; "
+        "the field holds the loaded profile (it must list the router's models)"))
+    quantum_s: Optional[float] = param(None, unit="s", gt=0, finite=True, key="online_quantum_s", kind=str,
+                                       shown="`auto`", doc=(
+        "the DTMC's time quantum δ; ``auto`` (None): a tenth of the fastest model's median step "
+        "(:func:`auto_quantum_s`)"))
+    min_gain: float = param(0.02, ge=0, finite=True, key="online_min_gain",
+                            doc="relative predicted throughput gain needed to switch B")
+    min_request_steps: int = param(50, unit="request-steps", ge=1, key="online_min_request_steps",
+                                   doc="request-steps a model needs in the window before its P, C and L_i are re-estimated")
+
+    def __post_init__(self) -> None:
+        check_ranges(self)
 
 
 def auto_quantum_s(step_latencies: Mapping[str, List[float]]) -> Optional[float]:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from .segments import PeerDownError, Tick, Transport
-from ..protocol import Cancelled, Event, Finished, FinishReason, Handoff, PeerReq, SegmentEvent, SpecRound
+from ..protocol import Cancelled, Event, Finished, FinishReason, Handoff, PeerReq, SegmentEvent, SpecRound, TokenLogprobs
 
 __all__ = ["RoutedRequest", "drive", "Transport"]
 
@@ -51,6 +51,8 @@ class RoutedRequest:
         handoff_gaps_s: seconds from each handoff event to the peer's first response.
         logprobs: per output token, its logprob from the model that wrote it
             (when the request asked for them; None where a model sent none).
+        top_logprobs: per output token, its :class:`~tokenrouter.protocol.TokenLogprobs` (rank and
+            top N) from that model, likewise.
         first_step_t: ``time.monotonic()`` when the first model started the
             request's first step (None if it did not say).
         first_token_t, last_token_t: ``time.monotonic()`` when the first and the
@@ -80,6 +82,7 @@ class RoutedRequest:
     handoff_log: List[Dict[str, Any]] = field(default_factory=list)
     handoff_gaps_s: List[float] = field(default_factory=list)
     logprobs: List[Optional[float]] = field(default_factory=list)
+    top_logprobs: List[Optional[TokenLogprobs]] = field(default_factory=list)
     first_step_t: Optional[float] = None
     first_token_t: Optional[float] = None
     last_token_t: Optional[float] = None
@@ -132,6 +135,7 @@ class RoutedRequest:
             self.first_token_t = self.first_token_t or now
             self.last_token_t = now
             self.logprobs.extend(_fit(ev.logprobs, len(ids)))
+            self.top_logprobs.extend(_fit(ev.top_logprobs, len(ids)))
             self.scores.extend(_fit(ev.scores, len(ids)))
             writers = self._writers(ev.spec, m, len(ids))
             self.tokens.extend(ids)
@@ -170,7 +174,7 @@ def _fit(values: Optional[List[Any]], n: int) -> List[Any]:
 
 
 def drive(transport: Transport, header: PeerReq, prompt_ids: List[int], first_model: int, detok,
-          on_delta: Optional[Callable[[str], None]] = None,
+          on_delta: Optional[Callable[[str, RoutedRequest], None]] = None,
           cancelled: Callable[[], bool] = lambda: False, fallback: bool = False) -> RoutedRequest:
     """Run one request through the models until it finishes; release every model's state.
 
@@ -180,7 +184,8 @@ def drive(transport: Transport, header: PeerReq, prompt_ids: List[int], first_mo
         prompt_ids: prompt token ids.
         first_model: index of the model that writes first.
         detok: an :class:`~tokenrouter.engine.detok.IncrementalDetokenizer` (handles stop strings).
-        on_delta: called with each releasable text delta (streaming).
+        on_delta: called with each releasable text delta and the request so far (streaming;
+            the request's books hold every token up to the delta's, and their logprobs).
         cancelled: polled between responses; True ends the request as ``cancelled``.
         fallback: when a model is down, go on on a live model instead of failing
             (models already listed in ``header.down_models`` are never visited).
@@ -204,7 +209,7 @@ def drive(transport: Transport, header: PeerReq, prompt_ids: List[int], first_mo
                     if ids:
                         delta = detok.add(ids)
                         if on_delta is not None and delta and not r.finish:
-                            on_delta(delta)
+                            on_delta(delta, r)
                         if detok.stopped and not r.finish:
                             r.end(FinishReason.STOP.value)
                             r.release(transport, current)  # ends the running segment

@@ -8,12 +8,13 @@ Command line (prints JSON)::
     python -m tokenrouter.tools.admin stats                       # slm and llm at localhost:8001
     python -m tokenrouter.tools.admin stats --models llm --url host:8001
     python -m tokenrouter.tools.admin configure --models llm '{"delayed_batch_size": 2}'
-    python -m tokenrouter.tools.admin calibrate --models slm,llm '{"batch_sizes": [1, 2, 4, 8], "context": 256}'
+    python -m tokenrouter.tools.admin calibrate --models slm,llm '{"batch_sizes": [1, 2, 4, 8], "context": 256}' -o calib.json
     python -m tokenrouter.tools.admin events --models llm '{"since": 0, "limit": 100}'   # recent routing events
     python -m tokenrouter.tools.admin flush --models slm,llm      # empty the prefix caches
 
-(``python -m scheduler_model calibrate`` does the same and writes the file its ``profile`` and
-``solve`` take with ``--calibration``.)
+``calibrate`` writes the calibration file (:mod:`scheduler_model.calibrate`) that
+``python -m scheduler_model profile`` and ``solve`` take with ``--calibration``; its defaults are
+batch sizes 1, 2, 4, 8, 16, 32, a context of 256 tokens and 8 decode steps.
 
     python -m tokenrouter.tools.admin ready                       # readiness probe covering every model
     python -m tokenrouter.tools.admin keys DIR                    # CURVE keys for models served over TCP
@@ -185,6 +186,7 @@ def main(argv=None) -> int:
                          "events: optional JSON {\"since\": cursor, \"limit\": n}; "
                          "keys: the folder to write CURVE keys into")
     ap.add_argument("--force", action="store_true", help="keys: replace existing keys")
+    ap.add_argument("-o", "--output", help="write the JSON here instead of stdout")
     ap.add_argument("--url", default=default_grpc_url(), help=GRPC_URL_HELP)
     ap.add_argument("--models", default="slm,llm", help="comma-separated LLM models (default slm,llm)")
     ap.add_argument("--router", default="token_router", help="ready: the router model (default token_router)")
@@ -215,6 +217,7 @@ def main(argv=None) -> int:
             ap.error(f"calibrate takes a JSON object: {e}")
         if not isinstance(settings, dict) or set(settings) - {"batch_sizes", "context", "decode_steps"}:
             ap.error("calibrate takes a JSON object with batch_sizes, context, decode_steps")
+        return _calibrate_file(a.url, [x.strip() for x in a.models.split(",") if x.strip()], settings, a.output)
     if a.op == "events":
         try:
             settings = json.loads(a.settings or "{}")
@@ -234,8 +237,6 @@ def main(argv=None) -> int:
         for m in [x.strip() for x in a.models.split(",") if x.strip()]:
             if a.op == "stats":
                 out[m] = model_stats(a.url, m)
-            elif a.op == "calibrate":
-                out[m] = calibrate(a.url, m, **settings)
             elif a.op == "events":
                 out[m] = events(a.url, m, **settings)
             elif a.op == "flush":
@@ -247,7 +248,34 @@ def main(argv=None) -> int:
             print(json.dumps(out, indent=1))
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(out, indent=1))
+    _emit(out, a.output)
+    return 0
+
+
+def _emit(obj: Any, path: Optional[str]) -> None:
+    text = json.dumps(obj, indent=1)
+    if path:
+        with open(path, "w") as fh:
+            fh.write(text + "\n")
+    else:
+        print(text)
+
+
+def _calibrate_file(url: str, models, settings: Dict[str, Any], path: Optional[str]) -> int:
+    """``calibrate``: each model in turn; the calibration file (:func:`scheduler_model.calibrate.run_calibration`)
+    to ``path`` or stdout. Exit status 1 (the error on stderr) if a model refuses or cannot be reached."""
+    import sys
+
+    from scheduler_model.calibrate import DEFAULT_BATCH_SIZES, run_calibration
+
+    try:
+        calib = run_calibration(url, models, settings.get("batch_sizes", DEFAULT_BATCH_SIZES),
+                                context=settings.get("context", 256), decode_steps=settings.get("decode_steps", 8),
+                                calibrate=calibrate)
+    except Exception as e:  # noqa: BLE001 - a CLI: report and exit non-zero
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    _emit(calib, path)
     return 0
 
 

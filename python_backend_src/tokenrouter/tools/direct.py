@@ -162,7 +162,7 @@ class DirectRouter:
         header = make_header(rid, sp, self.algorithm, self.params, self.models, self.stop_ids)
         detok = IncrementalDetokenizer(self.tokenizer, sp.stop)
         r = drive(self, header, ids, self.algo_cls.first_model(self.params, rid=rid, sampling=header.sampling),
-                  detok, on_delta=on_text, cancelled=cancelled)
+                  detok, on_delta=(lambda d, _r: on_text(d)) if on_text else None, cancelled=cancelled)
         tail = detok.flush()
         if tail and on_text:
             on_text(tail)

@@ -177,15 +177,16 @@ def check_routing(name: str, params: Mapping[str, object], base_cfg) -> None:
     if not any(k in params for k in ("algorithm", "algorithm_params", "models")):
         return
     from ..algorithms import configure  # noqa: PLC0415 - torch; only when routing settings change
+    from ..triton.settings import RouterSettings  # the declared defaults
 
     def value(key: str, default: str) -> str:
         if key in params:
             return str(params[key])
         return base_cfg.parameters[key].string_value if key in base_cfg.parameters else default
 
-    models = [m.strip() for m in value("models", "slm,llm").split(",") if m.strip()]
+    models = [m.strip() for m in value("models", ",".join(RouterSettings.models)).split(",") if m.strip()]
     try:
-        configure(value("algorithm", "rstitch"), value("algorithm_params", "{}"), len(models))
+        configure(value("algorithm", RouterSettings.algorithm), value("algorithm_params", ""), len(models))
     except ValueError as e:
         raise ValueError(f"router {name}: {e}") from None
 

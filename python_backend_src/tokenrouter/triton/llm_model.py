@@ -91,8 +91,9 @@ from ..protocol import Failed, ModelEvent, OpWire, encode_event, is_final
 from . import model_control
 from .messages import CloseIO, ErrorReply, TokensReply
 from .common import model_parameters
+from .init_watchdog import InitWatchdog
 from .metrics import ModelMetrics
-from .settings import LLMSettings
+from .settings import RUNTIME_SCHEDULING, LLMSettings, scheduling_changes
 
 logger = logging.getLogger(__name__)
 
@@ -110,16 +111,6 @@ def _str_input(request, name: str, default: str = "") -> str:
         return default
     x = v[0]
     return x.decode("utf-8") if isinstance(x, bytes) else str(x)
-
-
-def _count(key: str, v: Any, lo: int) -> int:
-    """A ``configure`` value that must be a whole number >= ``lo`` (an integer, or its digits in a
-    string); ValueError naming ``key`` otherwise (booleans, fractions, NaN, lists)."""
-    if isinstance(v, str) and v.strip().lstrip("+-").isdigit():
-        v = int(v.strip())
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"configure: {key} must be an integer >= {lo}, got {v!r}")
-    return v
 
 
 class _EventLog:
@@ -142,18 +133,23 @@ class TritonPythonModel:
         the engine (weights, KV pool) and the subserver, open the inter-model channel, advertise its
         endpoint and start the Triton I/O thread.
 
+        Each step after the settings is logged as it starts and the whole load is bounded by
+        ``init_timeout_s`` (:class:`~tokenrouter.triton.init_watchdog.InitWatchdog`: past it, every
+        thread's stack goes to Triton's log and the stub ends, failing the load).
+
         Raises:
             pb_utils.TritonModelException: a bad config (the load fails; the message names the parameter).
         """
         self.init_settings(args)
-        self.init_scheduling()
-        self.init_engine(args)
-        self.init_events()
-        self.init_metrics()
-        self.init_subserver()
-        self.init_channel()
-        self._start_liveness()
-        self.init_io_thread()
+        with InitWatchdog(self.name, self.settings.init_timeout_s, log=pb_utils.Logger.log_info) as watch:
+            watch.run(self.init_scheduling)
+            watch.run(self.init_engine, args)
+            watch.run(self.init_events)
+            watch.run(self.init_metrics)
+            watch.run(self.init_subserver)
+            watch.run(self.init_channel)
+            watch.run(self._start_liveness)
+            watch.run(self.init_io_thread)
 
     def init_settings(self, args: Dict[str, Any]) -> None:
         """Read the model config once: ``self.settings`` (:class:`~tokenrouter.triton.settings.LLMSettings`).
@@ -316,28 +312,23 @@ class TritonPythonModel:
         return reply
 
     def _configure(self, cfg: Dict[str, Any]) -> None:
-        """Apply a ``configure`` op: the same keys as the config parameters
-        ``delayed_batch_size``, ``delayed_batch_max_wait_us``, ``stream_interval``,
-        ``readmit_on_resume``, ``prefill_chunk_tokens``, ``lockstep_group`` ("" turns lock-step off),
-        ``prefix_cache`` (true/false; off only while no request reads a cached prefix)."""
-        conv = {"delayed_batch_size": ("delayed_batch_size", lambda k, v: _count(k, v, 1)),
-                "delayed_batch_max_wait_us": ("max_wait_s", lambda k, v: float(v) / 1e6),
-                "stream_interval": ("stream_interval", lambda k, v: _count(k, v, 1)),
-                "readmit_on_resume": ("readmit_on_resume", lambda k, v: bool(v)),
-                "prefill_chunk_tokens": ("prefill_chunk_tokens", lambda k, v: _count(k, v, 0))}
-        changes = {}
-        for k, v in cfg.items():
-            if k in conv:
-                name, f = conv[k]
-                changes[name] = f(k, v)
-            elif k == "lockstep_group":
-                changes["lockstep"] = self._ring(str(v)) if v else None
-            elif k == "prefix_cache":
-                if not isinstance(v, bool):
-                    raise ValueError(f"configure: prefix_cache must be true or false, got {v!r}")
-            else:
-                raise ValueError(f"unknown configure key {k!r}; allowed: "
-                                 f"{sorted([*conv, 'lockstep_group', 'prefix_cache'])}")
+        """Apply a ``configure`` op: the config parameters of :data:`RUNTIME_SCHEDULING` (read from their
+        declarations, :func:`~tokenrouter.triton.settings.scheduling_changes`), ``lockstep_group``
+        ("" turns lock-step off) and ``prefix_cache`` (true/false; off only while no request reads a
+        cached prefix).
+
+        Raises:
+            ValueError: an unknown key, or a value of the wrong kind or out of range (naming it).
+        """
+        unknown = sorted(set(cfg) - {*RUNTIME_SCHEDULING, "lockstep_group", "prefix_cache"})
+        if unknown:
+            raise ValueError(f"unknown configure key {unknown[0]!r}; allowed: "
+                             f"{sorted([*RUNTIME_SCHEDULING, 'lockstep_group', 'prefix_cache'])}")
+        if "prefix_cache" in cfg and not isinstance(cfg["prefix_cache"], bool):
+            raise ValueError(f"configure: prefix_cache must be true or false, got {cfg['prefix_cache']!r}")
+        changes = scheduling_changes(self.subserver.config, cfg)
+        if "lockstep_group" in cfg:
+            changes["lockstep"] = self._ring(str(cfg["lockstep_group"])) if cfg["lockstep_group"] else None
         self.subserver.reconfigure(**changes)
         if "prefix_cache" in cfg:
             self.subserver.call(lambda: self.engine.set_prefix_cache(cfg["prefix_cache"]))

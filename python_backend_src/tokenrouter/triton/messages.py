@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Union
+from typing import Any, Callable, Dict, List, Optional, Union
 
 __all__ = ["TextChunk", "FinalOutputs", "ErrorReply", "BusyReply", "RequestMetrics", "BusyCount",
            "IOCall", "EndpointQuery", "TokensReply", "CloseIO", "Reply"]
@@ -32,10 +32,13 @@ class TextChunk:
     Attributes:
         sender: the request's response sender.
         text: the detokenised delta (UTF-8 safe, stop strings applied).
+        logprobs: the ``logprobs`` output of the tokens since the previous response (vllm_backend's
+            JSON; :func:`tokenrouter.triton.request.logprobs_json`), or None (not asked for).
     """
 
     sender: Any
     text: str
+    logprobs: Optional[str] = None
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ Inputs
                                           repetition_penalty, presence_penalty,
                                           frequency_penalty, min_tokens, stop_token_ids,
                                           include_stop_str_in_output, skip_special_tokens,
-                                          logprobs, guided_decoding (vLLM's structured
+                                          logprobs (N top alternatives, 0-20; true = 0),
+                                          guided_decoding (vLLM's structured
                                           output: json, regex, choice, grammar, json_object;
                                           also guided_json, guided_regex, ...)
                                           (vllm_backend value forms: "32",
@@ -43,9 +44,12 @@ Outputs
     decoding and draft-verify ``speculative``: rounds, drafted, accepted, acceptance_rate,
     tokens_per_llm_pass; with ``on_peer_failure: fallback`` ``degraded``: the models the
     request went on without),
-    ``logprobs`` BYTES (JSON list, one float per output token: its logprob
-    under the model that wrote it; on the final response, streaming too) when
-    asked (``return_logprobs`` or the ``logprobs`` sampling key),
+    ``logprobs`` BYTES when asked (``return_logprobs`` or the ``logprobs`` sampling key), as
+    vllm_backend sends it: a JSON list, one object per output token of the response (each
+    response carries the tokens since the previous one), ``{"<token id>": {"logprob", "rank",
+    "decoded_token"}, ...}``: the token itself first, then the N most likely tokens, most likely
+    first (the token not repeated); all under the raw distribution of the model that wrote the
+    token (:func:`logprobs_json`),
     ``routing_trace``
     BYTES (JSON: models, per-output-token model index ``trace``, output
     ``token_ids``, per-output-token router ``scores`` -- the score the writing
@@ -73,7 +77,7 @@ from ..routing.router_core import PromptTooLong, encode_prompt
 from .settings import RequestLimits
 
 __all__ = ["ClientError", "ClientRequest", "RequestParser", "OUTPUT_SWITCHES", "longest_token_bytes",
-           "routing_summary", "output_tensors"]
+           "routing_summary", "output_tensors", "logprobs_json", "wants_logprobs"]
 
 
 class ClientError(ValueError):
@@ -209,6 +213,7 @@ class ClientRequest:
             (None: no limit).
         worker_start_t: when a router worker started it (None while it waits).
         cancelled: the client cancelled it; ``expired``: it was answered busy while it waited.
+        logprobs_sent: output tokens whose logprobs a streamed response already carried.
     """
 
     rid: str
@@ -227,6 +232,7 @@ class ClientRequest:
     worker_start_t: Optional[float] = None
     cancelled: bool = False
     expired: bool = False
+    logprobs_sent: int = 0
 
 
 @dataclass(frozen=True)
@@ -386,16 +392,54 @@ def _bytes_tensor(text: str) -> np.ndarray:
     return np.asarray([text.encode("utf-8")], dtype=np.object_)
 
 
+def wants_logprobs(job: ClientRequest) -> bool:
+    """Whether the request's responses carry ``logprobs`` (``return_logprobs`` or the sampling key)."""
+    return bool(job.outputs.get("logprobs")) or job.sp.logprobs is not None
+
+
+def logprobs_json(token_ids: Sequence[int], logprobs: Sequence[Optional[float]], tops: Sequence[Any],
+                  strings) -> str:
+    """vllm_backend's ``logprobs`` output for some output tokens: a JSON list, per token
+    ``{"<id>": {"logprob": float, "rank": int, "decoded_token": str}, ...}``.
+
+    Args:
+        token_ids: the output tokens (int ids).
+        logprobs: each one's logprob (natural log; None where its model sent none).
+        tops: each one's :class:`~tokenrouter.protocol.TokenLogprobs` (rank, top-N ids and logprobs),
+            or None.
+        strings: a :class:`~tokenrouter.engine.detok.TokenStrings` (``decoded_token``: the id decoded
+            alone).
+
+    The token comes first, then its top N, most likely first (ranks 1 … N; the token is not
+    repeated when it is among them: N or N + 1 entries), as vLLM's ``Logprob`` dicts.  A token
+    without logprobs is ``null``.
+    """
+    out: List[Optional[Dict[str, Any]]] = []
+    for tid, lp, top in zip(token_ids, logprobs, tops):
+        if lp is None:
+            out.append(None)
+            continue
+        d = {str(tid): {"logprob": lp, "rank": top.rank if top is not None else None,
+                        "decoded_token": strings.text(tid)}}
+        for r, (i, v) in enumerate(zip(top.ids, top.logprobs) if top is not None else (), 1):
+            d.setdefault(str(i), {"logprob": v, "rank": r, "decoded_token": strings.text(i)})
+        out.append(d)
+    return json.dumps(out, ensure_ascii=False)
+
+
 def output_tensors(job: ClientRequest, routed, text: str, summary: Dict[str, Any],
-                   models: Sequence[str]) -> Dict[str, np.ndarray]:
+                   models: Sequence[str], strings=None) -> Dict[str, np.ndarray]:
     """The final response's outputs (module docstring), output name → tensor.
 
     Args:
-        job: the request (its output switches, ``want_trace`` and sampling ``logprobs``).
+        job: the request (its output switches, ``want_trace``, sampling ``logprobs`` and
+            ``logprobs_sent``: the tokens whose logprobs streamed responses already carried).
         routed: its :class:`~tokenrouter.routing.router_core.RoutedRequest`.
         text: ``text_output``: the rest of the text when streamed, else the whole answer.
         summary: :func:`routing_summary`'s dict.
         models: the deployment's model names (``routing_trace``'s ``models``).
+        strings: a :class:`~tokenrouter.engine.detok.TokenStrings` for ``logprobs`` (required when
+            the request asks for them).
     """
     r = routed
     outputs = {
@@ -408,8 +452,10 @@ def output_tensors(job: ClientRequest, routed, text: str, summary: Dict[str, Any
     for name, on in job.outputs.items():  # vllm_backend's return_* switches
         if name != "logprobs" and not on:
             outputs.pop(name, None)
-    if job.outputs.get("logprobs") or job.sp.logprobs is not None:
-        outputs["logprobs"] = _bytes_tensor(json.dumps(r.logprobs))
+    if wants_logprobs(job):
+        start = job.logprobs_sent
+        outputs["logprobs"] = _bytes_tensor(logprobs_json(r.output_ids[start:], r.logprobs[start:],
+                                                          r.top_logprobs[start:], strings))
     if job.want_trace:
         trace = {"models": list(models), "trace": r.trace, "token_ids": r.output_ids,
                  "scores": r.scores, "handoffs": r.handoff_log}

@@ -10,29 +10,20 @@ The client interface (inputs and outputs, vllm_backend conventions) and the read
 checking of a request's inputs: :mod:`tokenrouter.triton.request`.  What happens when a model
 is down: :mod:`tokenrouter.triton.peer_failure`.
 
-Config parameters (read once, at load, into :class:`~tokenrouter.triton.settings.RouterSettings`,
-whose docstring gives each one's unit and default): ``models`` (comma-separated, deployment order;
-model 0 is the SLM), ``algorithm``, ``algorithm_params`` (JSON), ``tokenizer_path``,
-``max_concurrent_requests``, ``default_max_tokens``, ``context_length``,
-``peer_timeout_s`` (a model silent this long fails the request; 0 = never: the backstop for a
-hung model -- a dead one is found by its process or heartbeat, and a request waiting for KV
-ends at its queue timeout, as "busy", long before), the limits of
-:class:`~tokenrouter.triton.settings.RequestLimits`
-(``max_input_bytes``, ``max_queued_requests``, ``queue_timeout_s``) and of
-:class:`~tokenrouter.engine.sampling.InputLimits` (``max_sampling_parameters_bytes``,
-``max_json_depth``, ``max_stop_strings``, ``max_stop_string_bytes``, ``max_stop_token_ids``,
-``max_grammar_bytes``, ``max_schema_depth``, ``grammar_compile_timeout_ms``),
-``on_peer_failure`` (``fail`` or ``fallback``: what a request does when a model
-it needs is down; see :class:`~tokenrouter.triton.peer_failure.PeerFailure`), ``peer_restart_s`` (seconds between
-two attempts to get a dead model restarted), ``transport`` (below),
-``online_adaptation`` and the other ``online_*`` parameters (B* adapted while
-serving: :mod:`tokenrouter.routing.online_bstar`), ``remote_models`` (models served by
-other tritonservers: JSON ``{"llm": "tcp://host:port"}``, or a list of endpoints
-for replicas ``{"llm": ["tcp://h1:p", "tcp://h2:p"]}``), ``heartbeat_interval_s``
-and ``heartbeat_timeout_s`` (remote replicas are pinged every 0.5 s and are down
-after 2 s without an answer), ``curve`` (``on`` default / ``off``),
-``curve_secret_key_file`` and ``curve_server_public_keys`` (CURVE on TCP: see
-:mod:`tokenrouter.routing.curve`).
+Config parameters: read once, at load, into :class:`~tokenrouter.triton.settings.RouterSettings`.
+Each is declared once, with its unit, range, default and doc, on the object that holds it:
+:class:`~tokenrouter.triton.settings.RouterSettings` (``models``, ``algorithm``, ``algorithm_params``,
+``tokenizer_path``, ``context_length``, ``default_max_tokens``, ``max_concurrent_requests``,
+``transport`` (below), ``remote_models``, ``on_peer_failure``
+(:class:`~tokenrouter.triton.peer_failure.PeerFailure`), ``peer_restart_s``, ``peer_timeout_s``
+(the backstop for a hung model -- a dead one is found by its process or heartbeat, and a request
+waiting for KV ends at its queue timeout, as "busy", long before), ``heartbeat_interval_s``,
+``heartbeat_timeout_s``, ``init_timeout_s``), :class:`~tokenrouter.triton.settings.RequestLimits`
+and :class:`~tokenrouter.engine.sampling.InputLimits` (the limits on a request and its sampling
+parameters), :class:`~tokenrouter.routing.curve.CurveSettings` (``curve``,
+``curve_secret_key_file``, ``curve_server_public_keys``) and
+:class:`~tokenrouter.routing.online_bstar.OnlineSettings` (``online_*``: B* adapted while serving);
+:func:`~tokenrouter.triton.settings.router_parameters` lists them all.
 
 Models are reached over the ZeroMQ channel of :mod:`tokenrouter.routing.peer`:
 a model of ``remote_models`` at its listed endpoints (new requests spread over its
@@ -74,7 +65,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..algorithms import get_algorithm
-from ..engine.detok import IncrementalDetokenizer, stop_token_ids
+from ..engine.detok import IncrementalDetokenizer, TokenStrings, stop_token_ids
 from ..engine.grammar import GrammarCompiler
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
@@ -82,11 +73,13 @@ from ..routing.peer import PeerClient, PeerDownError, read_advert, remove_advert
 from ..protocol import FinishReason
 from ..routing.router_core import drive, make_header
 from .common import model_parameters
+from .init_watchdog import InitWatchdog
 from .messages import (BusyCount, BusyReply, EndpointQuery, ErrorReply, FinalOutputs, IOCall, RequestMetrics,
                        TextChunk)
 from .metrics import RouterMetrics, observe_request
 from .peer_failure import PeerFailure
-from .request import ClientError, ClientRequest, RequestParser, longest_token_bytes, output_tensors, routing_summary
+from .request import (ClientError, ClientRequest, RequestParser, logprobs_json, longest_token_bytes, output_tensors,
+                      routing_summary, wants_logprobs)
 from .settings import RequestLimits, RouterSettings
 from .transport import TritonTransport
 
@@ -139,21 +132,24 @@ class TritonPythonModel:
 
     def initialize(self, args: Dict[str, Any]) -> None:
         """Triton's model load, one ``init_*`` step after the other: read the config parameters,
-        load the tokenizer and the algorithm, connect to the models, start the threads.
+        load the tokenizer and the algorithm, connect to the models, start the threads; each step
+        after the settings logged as it starts, the load bounded by ``init_timeout_s``
+        (:class:`~tokenrouter.triton.init_watchdog.InitWatchdog`).
 
         Raises:
             pb_utils.TritonModelException: a bad config (the load fails; the message names the parameter).
         """
         self.init_settings(args)
-        self.init_tokenizer()
-        self.init_algorithm()
-        self.init_limits()
-        self.init_parser()
-        self.init_workers()
-        self.init_peers()
-        self.init_metrics(args)
-        self.init_online()
-        self.init_threads()
+        with InitWatchdog(self._name, self.settings.init_timeout_s, log=pb_utils.Logger.log_info) as watch:
+            watch.run(self.init_tokenizer)
+            watch.run(self.init_algorithm)
+            watch.run(self.init_limits)
+            watch.run(self.init_parser)
+            watch.run(self.init_workers)
+            watch.run(self.init_peers)
+            watch.run(self.init_metrics, args)
+            watch.run(self.init_online)
+            watch.run(self.init_threads)
 
     def init_settings(self, args: Dict[str, Any]) -> None:
         """Read the model config once: ``self.settings``
@@ -186,6 +182,7 @@ class TritonPythonModel:
             getattr(self.tokenizer, "model_max_length", 8192) if
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
         self.stop_token_ids = stop_token_ids(self.tokenizer)
+        self.token_strings = TokenStrings(self.tokenizer)  # logprobs' decoded_token
         # guided decoding: every new grammar is compiled here first, within grammar_compile_timeout_ms
         self.grammar = GrammarCompiler(self.tokenizer, len(self.tokenizer), self.stop_token_ids).start()
 
@@ -493,9 +490,12 @@ class TritonPythonModel:
         """Send one response to a client (client I/O thread only)."""
         try:
             match msg:
-                case TextChunk(sender=sender, text=text):
-                    sender.send(pb_utils.InferenceResponse(output_tensors=[
-                        pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]))
+                case TextChunk(sender=sender, text=text, logprobs=logprobs):
+                    tensors = [pb_utils.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_))]
+                    if logprobs is not None:
+                        tensors.append(pb_utils.Tensor("logprobs", np.asarray([logprobs.encode("utf-8")],
+                                                                              dtype=np.object_)))
+                    sender.send(pb_utils.InferenceResponse(output_tensors=tensors))
                 case FinalOutputs(sender=sender, outputs=outputs):
                     sender.send(pb_utils.InferenceResponse(output_tensors=[
                         pb_utils.Tensor(k, v) for k, v in outputs.items()]), flags=_FINAL)
@@ -546,7 +546,7 @@ class TritonPythonModel:
         if fallback:
             header.down_models = sorted(self.peers.down())
         r = drive(self.peers, header, job.prompt_ids, first, detok,
-                  on_delta=(lambda d: self._out.put(TextChunk(job.sender, d))) if job.stream else None,
+                  on_delta=(lambda d, routed: self._out.put(self._text_chunk(job, d, routed))) if job.stream else None,
                   cancelled=lambda: job.cancelled or self._closing.is_set(), fallback=fallback)
         if r.finish == FinishReason.CANCELLED.value:
             self._out.put(RequestMetrics("cancelled"))
@@ -563,11 +563,23 @@ class TritonPythonModel:
             text = detok.text
             if not job.exclude_input:
                 text = job.prompt + text
-        outputs = output_tensors(job, r, text, summary, self.models)
+        outputs = output_tensors(job, r, text, summary, self.models, self.token_strings)
         # metrics first: a client that has its answer finds them published
         self._out.put(RequestMetrics(observe_request(job.arrival_t, time.monotonic(), r, self.models,
                                                      job.worker_start_t)))
         self._out.put(FinalOutputs(job.sender, outputs))
+
+    def _text_chunk(self, job: ClientRequest, delta: str, routed) -> TextChunk:
+        """A streamed response: the text delta, and (a request that asks for them) the logprobs of
+        the output tokens that reached the router since the previous response (vllm_backend's
+        convention; text held back for a stop string or a split character comes later)."""
+        if not wants_logprobs(job):
+            return TextChunk(job.sender, delta)
+        start, end = job.logprobs_sent, len(routed.logprobs)
+        job.logprobs_sent = end
+        ids = routed.output_ids[start:end]
+        return TextChunk(job.sender, delta, logprobs_json(ids, routed.logprobs[start:end],
+                                                          routed.top_logprobs[start:end], self.token_strings))
 
     def finalize(self) -> None:
         """Unload: end every request still in flight with "server is shutting down", then stop.

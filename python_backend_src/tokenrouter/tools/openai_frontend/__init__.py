@@ -19,7 +19,9 @@ only), ``stream`` and ``stream_options.include_usage``. vLLM-style extensions
 are passed on to ``token_router``'s ``sampling_parameters``: ``top_k``,
 ``ignore_eos``, ``min_tokens``, ``repetition_penalty``, ``presence_penalty``,
 ``frequency_penalty``, ``stop_token_ids`` (neutral values are not sent), and
-TokenRouter's ``routing_threshold``. ``return_routing_trace: true`` adds the
+TokenRouter's ``routing_threshold``. Chat ``logprobs`` / ``top_logprobs`` (0 … 20) and a
+completion's ``logprobs`` (0 … 5) return each token's logprob from the model that wrote it
+(:mod:`.logprobs`). ``return_routing_trace: true`` adds the
 per-token ``routing_trace``; ``chat_template_kwargs`` go to the chat template.
 An unknown field gets a 400 naming it.
 
@@ -49,7 +51,8 @@ The package, one job per module: :mod:`.app` (the FastAPI application, its lifes
 error handlers), :mod:`.routes` (the endpoints), :mod:`.schemas` (request and response
 bodies, the request's validation), :mod:`.streaming` (SSE, client disconnects, the
 shutdown grace period), :mod:`.backend` (the Triton gRPC client), :mod:`.chat` (the chat
-template), :mod:`.state` (settings and what the application holds), :mod:`.errors`
+template), :mod:`.logprobs` (logprobs in OpenAI's shapes), :mod:`.state` (settings and what the
+application holds), :mod:`.errors`
 (OpenAI's error format) and :mod:`.server` (the command line).
 """
 

@@ -26,6 +26,9 @@ class GenerationOutput:
         prompt_tokens / completion_tokens: ``num_input_tokens`` /
             ``num_output_tokens`` (final response only).
         routing_summary / routing_trace: decoded JSON (final response only).
+        logprobs: the ``logprobs`` output, decoded JSON (vllm_backend's: per output token of this
+            response ``{"<id>": {"logprob", "rank", "decoded_token"}, ...}``), when the request's
+            ``sampling_parameters`` asked for them.
     """
 
     text: str = ""
@@ -35,6 +38,7 @@ class GenerationOutput:
     completion_tokens: Optional[int] = None
     routing_summary: Optional[Dict[str, Any]] = None
     routing_trace: Optional[Dict[str, Any]] = None
+    logprobs: Optional[List[Any]] = None
 
 
 class TritonBackend:
@@ -128,7 +132,7 @@ class TritonBackend:
                     finished = True
                     yield out
                     return
-                if out.text:
+                if out.text or out.logprobs:
                     yield out
         finally:
             done.set()
@@ -177,7 +181,7 @@ def _decode(result) -> GenerationOutput:
         v = one(name)
         if v is not None:
             setattr(out, attr, int(v))
-    for name in ("routing_summary", "routing_trace"):
+    for name in ("routing_summary", "routing_trace", "logprobs"):
         v = one(name)
         if v is not None:
             setattr(out, name, json.loads(v))

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Annotated, Any, Dict
+from typing import Annotated, Any, Dict, Optional
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from .chat import render_chat
 from .errors import BackendError, ClientGone, OpenAIError, ServerDraining, backend_error, shutting_down
+from .logprobs import LogprobsFormatter, chat_top_logprobs, completion_logprobs
 from .schemas import (ChatCompletionRequest, CompletionRequest, RequestBase, ResponseHead, check_model,
                       full_response, sampling_parameters)
 from .state import FrontendState
@@ -55,8 +56,8 @@ def _completion_prompt(body: CompletionRequest) -> str:
     """The prompt of ``/v1/completions``: one string (a list holding one string is taken too).
 
     Raises:
-        OpenAIError: 400 for the fields not supported (``echo``, ``suffix``, ``best_of`` > 1,
-            ``logprobs``), token ids or several prompts, or an empty prompt.
+        OpenAIError: 400 for the fields not supported (``echo``, ``suffix``, ``best_of`` > 1),
+            token ids or several prompts, or an empty prompt.
     """
     if body.echo:
         raise OpenAIError(400, "echo is not supported", param="echo", code="unsupported_parameter")
@@ -64,8 +65,6 @@ def _completion_prompt(body: CompletionRequest) -> str:
         raise OpenAIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
     if body.best_of not in (None, 1):
         raise OpenAIError(400, "best_of must be 1", param="best_of", code="unsupported_value")
-    if body.logprobs:
-        raise OpenAIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -78,9 +77,7 @@ def _completion_prompt(body: CompletionRequest) -> str:
 
 
 def _check_chat(body: ChatCompletionRequest, max_messages: int) -> None:
-    """400 for the chat fields not supported (logprobs) and for more than ``max_messages`` messages."""
-    if body.logprobs or body.top_logprobs:
-        raise OpenAIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+    """400 for more than ``max_messages`` messages."""
     if len(body.messages) > max_messages:
         raise OpenAIError(400, f"messages has {len(body.messages)} entries; the limit is {max_messages} "
                           f"(--max-messages)", param="messages", code="too_many_messages")
@@ -91,7 +88,12 @@ async def completions(body: CompletionRequest, request: Request, st: State):
     check_model(body, st.served)
     prompt = _completion_prompt(body)
     sp = sampling_parameters(body, body.max_tokens)
-    return await _generate(st, request, body, prompt, sp, chat=False)
+    n_logprobs = completion_logprobs(body.logprobs)
+    logprobs = None
+    if n_logprobs is not None:
+        sp["logprobs"] = n_logprobs
+        logprobs = LogprobsFormatter(chat=False, n=n_logprobs, tokenizer=await st.get_tokenizer())
+    return await _generate(st, request, body, prompt, sp, chat=False, logprobs=logprobs)
 
 
 @router.post("/v1/chat/completions")
@@ -100,23 +102,30 @@ async def chat_completions(body: ChatCompletionRequest, request: Request, st: St
     _check_chat(body, st.max_messages)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     sp = sampling_parameters(body, max_tokens)
+    n_logprobs = chat_top_logprobs(body.logprobs, body.top_logprobs)
     structured = structured_request(body.response_format, body.tools, body.tool_choice)
     if structured.guided is not None:
         sp["guided_decoding"] = structured.guided
     tok = await st.get_tokenizer()
     prompt = render_chat(tok, body.messages, body.chat_template_kwargs, tools=structured.tools)
-    return await _generate(st, request, body, prompt, sp, chat=True, structured=structured)
+    logprobs = None
+    if n_logprobs is not None:
+        sp["logprobs"] = n_logprobs
+        logprobs = LogprobsFormatter(chat=True, n=n_logprobs, tokenizer=tok)
+    return await _generate(st, request, body, prompt, sp, chat=True, structured=structured, logprobs=logprobs)
 
 
 async def _generate(st: FrontendState, request: Request, body: RequestBase, prompt: str, sp: Dict[str, Any], *,
-                    chat: bool, structured: Structured = Structured()):
+                    chat: bool, structured: Structured = Structured(),
+                    logprobs: Optional[LogprobsFormatter] = None):
     """Send one request to the router; answer with the whole completion, or an SSE stream.
 
     Until the router's first response, a client that disconnects gets nothing (499, the request
     cancelled) and the end of the shutdown grace period a 503; a router error is answered in
     OpenAI's format (:func:`backend_error`; a grammar the router refused names the field it came
     from: ``response_format`` or ``tools``).  With ``structured.parse_tools`` the output's
-    ``<tool_call>`` blocks become ``tool_calls`` (streamed as deltas).
+    ``<tool_call>`` blocks become ``tool_calls`` (streamed as deltas).  With ``logprobs`` (a
+    request that asks for them) each choice, and each chunk, carries its tokens' ``logprobs``.
     """
     head = ResponseHead(("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex, int(time.time()), st.served, chat)
     gen = st.backend.generate(prompt, sp, stream=bool(body.stream), trace=bool(body.return_routing_trace),
@@ -143,9 +152,9 @@ async def _generate(st: FrontendState, request: Request, body: RequestBase, prom
     if not body.stream:
         watcher.cancel()
         await gen.aclose()
-        return JSONResponse(full_response(head, first, parse_tools=structured.parse_tools))
+        return JSONResponse(full_response(head, first, parse_tools=structured.parse_tools, logprobs=logprobs))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     tools = ToolCallStream() if structured.parse_tools else None
-    return StreamingResponse(sse_stream(head, first, gen, watcher, include_usage, tools),
+    return StreamingResponse(sse_stream(head, first, gen, watcher, include_usage, tools, logprobs),
                              media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

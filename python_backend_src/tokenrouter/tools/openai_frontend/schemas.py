@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict
 
 from .backend import GenerationOutput
 from .errors import OpenAIError
+from .logprobs import LogprobsFormatter, parse_router_logprobs
 from .tool_calls import parse_tool_calls
 
 __all__ = ["CompletionRequest", "ChatCompletionRequest", "RequestBase", "MAX_SEED", "sampling_parameters",
@@ -175,10 +176,15 @@ def usage(out: GenerationOutput) -> Dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def full_response(head: ResponseHead, out: GenerationOutput, parse_tools: bool = False) -> Dict[str, Any]:
+def full_response(head: ResponseHead, out: GenerationOutput, parse_tools: bool = False,
+                  logprobs: Optional[LogprobsFormatter] = None) -> Dict[str, Any]:
     """The body of a non-streamed (chat) completion from the router's final response ``out``;
     with ``parse_tools`` its ``<tool_call>`` blocks become the message's ``tool_calls``
-    (``finish_reason`` ``tool_calls`` when the model stopped after them)."""
+    (``finish_reason`` ``tool_calls`` when the model stopped after them); with ``logprobs`` the
+    choice's ``logprobs`` of every output token (else null)."""
+    lp = logprobs.format(parse_router_logprobs(out.logprobs)) if logprobs is not None else None
+    if logprobs is not None and lp is None:
+        lp = logprobs.format_empty()
     if head.chat:
         message: Dict[str, Any] = {"role": "assistant", "content": out.text}
         finish = out.finish_reason
@@ -187,10 +193,10 @@ def full_response(head: ResponseHead, out: GenerationOutput, parse_tools: bool =
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 finish = "tool_calls" if finish == "stop" else finish
-        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "message": message, "logprobs": lp, "finish_reason": finish}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": out.text, "logprobs": None, "finish_reason": out.finish_reason}
+        choice = {"index": 0, "text": out.text, "logprobs": lp, "finish_reason": out.finish_reason}
         obj = "text_completion"
     resp = {**head.fields(obj), "choices": [choice], "usage": usage(out), "system_fingerprint": None,
             "routing_summary": out.routing_summary}
@@ -200,18 +206,20 @@ def full_response(head: ResponseHead, out: GenerationOutput, parse_tools: bool =
 
 
 def chunk(head: ResponseHead, text: Optional[str], finish: Optional[str] = None,
-          role: bool = False, delta: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+          role: bool = False, delta: Optional[Dict[str, Any]] = None,
+          logprobs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """One streamed chunk: a text delta (chat: ``delta.content``, and ``delta.role`` when ``role``)
-    with ``finish_reason`` ``finish``; chat: ``delta`` given is sent as it is (tool-call deltas)."""
+    with ``finish_reason`` ``finish``; chat: ``delta`` given is sent as it is (tool-call deltas);
+    ``logprobs``: the choice's ``logprobs`` object of the chunk's tokens (else null)."""
     if head.chat:
         delta = dict(delta or {})
         if role:
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return {**head.fields(head.chunk_object), "choices": [choice]}
 
 

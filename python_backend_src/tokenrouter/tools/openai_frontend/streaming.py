@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Dict, Iterator, Optional
 
 from fastapi import Request
 
 from .backend import GenerationOutput
 from .errors import BackendError, ClientGone, ServerDraining, backend_error, shutting_down
+from .logprobs import LogprobsFormatter, parse_router_logprobs
 from .schemas import ResponseHead, chunk, sse_event, usage
 from .tool_calls import ToolCallStream
 
@@ -61,13 +62,14 @@ async def race(aw, watcher: "asyncio.Future") -> Any:
 
 
 def _final_events(head: ResponseHead, out: GenerationOutput, include_usage: bool,
-                  tools: Optional[ToolCallStream] = None) -> Iterator[str]:
-    """The finish chunk (with ``routing_summary``, and ``routing_trace`` when asked), then the usage
-    chunk when ``include_usage``; ``finish_reason`` ``tool_calls`` after tool calls."""
+                  tools: Optional[ToolCallStream] = None, logprobs: Optional[Dict[str, Any]] = None) -> Iterator[str]:
+    """The finish chunk (with ``routing_summary``, ``routing_trace`` when asked, and the ``logprobs``
+    of tokens no chunk carried yet), then the usage chunk when ``include_usage``; ``finish_reason``
+    ``tool_calls`` after tool calls."""
     finish = out.finish_reason
     if tools is not None and tools.calls and finish == "stop":
         finish = "tool_calls"
-    last = chunk(head, None if head.chat else "", finish)
+    last = chunk(head, None if head.chat else "", finish, logprobs=logprobs)
     last["routing_summary"] = out.routing_summary
     if out.routing_trace is not None:
         last["routing_trace"] = out.routing_trace
@@ -77,7 +79,8 @@ def _final_events(head: ResponseHead, out: GenerationOutput, include_usage: bool
 
 
 async def sse_stream(head: ResponseHead, first: GenerationOutput, gen, watcher: "asyncio.Future",
-                     include_usage: bool, tools: Optional[ToolCallStream] = None) -> AsyncIterator[str]:
+                     include_usage: bool, tools: Optional[ToolCallStream] = None,
+                     logprobs: Optional[LogprobsFormatter] = None) -> AsyncIterator[str]:
     """The SSE stream of one request: chunks, the finish chunk (with ``routing_summary``),
     the usage chunk when asked, ``[DONE]``. Cancelled or abandoned, it cancels the Triton request.
 
@@ -88,6 +91,10 @@ async def sse_stream(head: ResponseHead, first: GenerationOutput, gen, watcher: 
         watcher: :func:`watch`'s future for this request.
         include_usage: ``stream_options.include_usage``.
         tools: parses ``<tool_call>`` blocks out of the text into ``tool_calls`` deltas, or None.
+        logprobs: formats the tokens' logprobs (a request that asks for them), or None: each
+            chunk carries those of the tokens the router sent with its text (tokens whose text
+            is held back, or that make no chunk, go with the next chunk, at the latest the finish
+            chunk).
 
     A router error or the end of the shutdown grace period ends the stream with an error event
     (OpenAI's format) and ``[DONE]``.
@@ -96,14 +103,24 @@ async def sse_stream(head: ResponseHead, first: GenerationOutput, gen, watcher: 
         if head.chat:
             yield sse_event(chunk(head, "", role=True))
         out = first
+        pending: list = []  # the router's logprobs of tokens no chunk has carried yet
+
+        def take():
+            nonlocal pending
+            lp = logprobs.format(pending) if logprobs is not None else None
+            pending = []
+            return lp
+
         while True:
+            if logprobs is not None:
+                pending += parse_router_logprobs(out.logprobs)
             if out.text and tools is None:
-                yield sse_event(chunk(head, out.text))
+                yield sse_event(chunk(head, out.text, logprobs=take()))
             elif tools is not None:
                 for delta in tools.feed(out.text) + (tools.finish() if out.final else []):
-                    yield sse_event(chunk(head, None, delta=delta))
+                    yield sse_event(chunk(head, None, delta=delta, logprobs=take()))
             if out.final:
-                for event in _final_events(head, out, include_usage, tools):
+                for event in _final_events(head, out, include_usage, tools, take()):
                     yield event
                 break
             try:
