@@ -72,19 +72,11 @@ def qwen_server(repo_root, tmp_path_factory):
 PROMPT = "Write a Python function that returns the sum of the squares of a list of integers."
 
 
-@pytest.fixture(scope="module")
-def answers(qwen_server):
-    """The two tests' requests, sent at once (the models batch them): (routed, LLM-only)."""
-    from tr_client import generate_many
-
-    return generate_many(qwen_server, [(PROMPT, {"max_tokens": 24, "temperature": 0}, "token_router"),
-                                       (PROMPT, {"max_tokens": 48, "temperature": 0}, "token_router_llm_only")],
-                         chat=True)
-
-
 @pytest.mark.server
-def test_a_routed_request_has_both_real_models_writing(answers):
-    out = answers[0]
+def test_a_routed_request_has_both_real_models_writing(qwen_server):
+    from tr_client import generate
+
+    out = generate(qwen_server, PROMPT, {"max_tokens": 24, "temperature": 0}, chat=True)
     assert out["_status"] == 200, out
     summary = out["routing_summary"]
     by_model = summary["tokens_by_model"]
@@ -95,8 +87,11 @@ def test_a_routed_request_has_both_real_models_writing(answers):
 
 
 @pytest.mark.server
-def test_the_llm_of_the_pair_answers_alone_and_its_text_is_code(answers):
-    out = answers[1]
+def test_the_llm_of_the_pair_answers_alone_and_its_text_is_code(qwen_server):
+    from tr_client import generate
+
+    out = generate(qwen_server, PROMPT, {"max_tokens": 48, "temperature": 0}, chat=True,
+                   model="token_router_llm_only")
     assert out["_status"] == 200, out
     assert out["routing_summary"]["tokens_by_model"] == {"slm": 0, "llm": 48}, out["routing_summary"]
     assert "def " in out["text_output"], out["text_output"]
