@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
-from tritonserver import TritonServer  # perf/tritonserver.py (pytest.ini's pythonpath)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,27 +28,85 @@ def repo_root() -> Path:
     return REPO_ROOT
 
 
+# ------------------------------------------------------------------ shared servers
+#: Session servers that several test modules share.  The modules that use none run first (their own
+#: servers, if any, one at a time), then the modules of each shared server together, in this order;
+#: each shared server is stopped after its last test, so that no module's own server runs beside a
+#: shared one (a server of the demo pair takes several GB).  Within a group, a module with a test
+#: marked ``breaks_server`` (it kills part of the server, or loads it hard) runs last.
+SHARED_SERVERS = ("triton_server", "routing_server")
+_STARTED: dict = {}  # fixture name -> its TritonServer while it runs
+_LAST_USER: dict = {}  # fixture name -> node id of the last selected test that uses it
+
+
 @pytest.fixture(scope="session")
 def triton_server(tmp_path_factory):
-    """One real tritonserver for the session, serving the repository's model_repository.
+    """One real tritonserver serving the repository's model_repository, shared by the test modules
+    that use it (stopped after the last of them).
 
-    Readiness timeout: $TOKENROUTER_TEST_READY_TIMEOUT (default 600 s). Its log is
-    kept under pytest's temp folder; the path is in ``triton_server.log_path``.
+    Readiness timeout: $TOKENROUTER_TEST_READY_TIMEOUT (default 600 s). Its log is kept under
+    pytest's temp folder; the path is in ``triton_server.log_path``.
     """
-    if not os.environ.get("TRITON_BACKEND_DIR"):
-        pytest.fail("TRITON_BACKEND_DIR not set: run the tests with tests/run", pytrace=False)
-    log = tmp_path_factory.mktemp("tritonserver") / "tritonserver.log"
-    server = TritonServer(
-        REPO_ROOT / "model_repository",
-        ready_timeout=float(os.environ.get("TOKENROUTER_TEST_READY_TIMEOUT", "600")),
-        log_path=log,
-    )
-    server.start()
-    try:
+    from tr_server import running_server
+
+    with running_server(REPO_ROOT / "model_repository", tmp_path_factory.mktemp("tritonserver")) as server:
+        _STARTED["triton_server"] = server
         yield server
-    finally:
-        server.stop()
-        print(f"\ntritonserver log: {log}", file=sys.stderr)
+
+
+@pytest.fixture(scope="session")
+def routing_server(tmp_path_factory):
+    """One real tritonserver with a router model for speculative decoding, draft-verify and
+    structured output on several routes (:func:`tr_server.routing_repository`), shared by the
+    modules that use it (stopped after the last of them).
+
+    The last test kills the LLM's stub, whose instance then never unloads: the server's stop does
+    not wait Triton's default exit timeout (30 s) for it.
+    """
+    from tr_server import routing_repository, running_server
+
+    work = tmp_path_factory.mktemp("routing_server")
+    with running_server(routing_repository(work / "repo"), work, extra_args=["--exit-timeout-secs=5"]) as server:
+        _STARTED["routing_server"] = server
+        yield server
+
+
+def _module(item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def _order_by_shared_server(items) -> None:
+    """Sort ``items`` in place: modules without a shared server first, then the users of each shared
+    server (:data:`SHARED_SERVERS`) together, a module with a ``breaks_server`` test last among them;
+    modules otherwise in their collection order, and a module's tests in theirs."""
+    first, group, breaks = {}, {}, set()
+    for i, item in enumerate(items):
+        mod = _module(item)
+        first.setdefault(mod, i)
+        names = getattr(item, "fixturenames", ())
+        for g, name in enumerate(SHARED_SERVERS, 1):
+            if name in names:
+                group[mod] = min(group.get(mod, g), g)
+        if item.get_closest_marker("breaks_server") is not None:
+            breaks.add(mod)
+    items.sort(key=lambda it: (group.get(_module(it), 0), _module(it) in breaks, first[_module(it)]))
+
+
+def pytest_collection_finish(session):
+    """Note the last selected test of each shared server (after -k / -m deselection)."""
+    for item in session.items:
+        for name in SHARED_SERVERS:
+            if name in getattr(item, "fixturenames", ()):
+                _LAST_USER[name] = item.nodeid
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Stop a shared server after its last test (and that module's fixtures): the modules after it
+    start their own servers."""
+    for name, nodeid in _LAST_USER.items():
+        if nodeid == item.nodeid and name in _STARTED:
+            _STARTED.pop(name).stop()
 
 
 # ------------------------------------------------------------------ markers and timings
@@ -89,6 +145,7 @@ def pytest_collection_modifyitems(config, items):
         for marker, calls in _BUILDS.items():
             if item.get_closest_marker(marker) is None and _builds(item, calls):
                 item.add_marker(getattr(pytest.mark, marker))
+    _order_by_shared_server(items)
 
 
 _FILE_SECONDS: dict = {}

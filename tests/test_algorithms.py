@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tr_client import generate
+from tr_client import generate, generate_many
 
 from tritonserver import TritonServer
 
@@ -75,6 +75,11 @@ def server(tmp_path_factory):
 def gen(server, model: str, prompt: str, sampling: dict, timeout: float = 120) -> dict:
     """Non-streaming /generate on router ``model`` with the routing trace; parsed JSON plus ``_status``."""
     return generate(server, prompt, sampling, model=model, timeout=timeout)
+
+
+def gen_many(server, model: str, reqs, timeout: float = 120) -> list:
+    """:func:`gen` of each ``(prompt, sampling)`` of ``reqs`` at once (the models batch them); outputs in order."""
+    return generate_many(server, reqs, model=model, timeout=timeout)
 
 
 def greedy(n=N, **kw) -> dict:
@@ -146,7 +151,7 @@ def _two_pass(server, model: str, threshold_never, crosses_fn):
     identical in both passes whatever is routed.
     """
     first, scores = {}, []
-    for p in PROMPTS:
+    for p in PROMPTS:  # one at a time: the passes' token ids are compared exactly
         out = gen(server, model, p, greedy(routing_threshold=threshold_never))
         slm, handoffs = check_one_token_deferral(out, lambda s: crosses_fn(s, threshold_never))
         assert handoffs == 0 and slm == N
@@ -186,7 +191,7 @@ def test_colm_compose_mode(server):
     deferrals over all base steps is within 4 standard deviations of Σp, and the
     assistant still writes exactly one token per visit.  Seeded: reproducible."""
     deferred, expected, var = 0, 0.0, 0.0
-    for p in PROMPTS:
+    for p in PROMPTS:  # one at a time: batched with others, a request's scores move in the 7th digit
         out = gen(server, "token_router_colm_compose", p, greedy(seed=11))
         check_one_token_deferral(out, None)
         tr = out["routing_trace"]
@@ -204,8 +209,7 @@ def test_rstitch_rule(server):
     """R-Stitch as a plugin: SLM hands over iff H/log V > τ (token discarded); the LLM keeps writing
     while its entropy is > τ and hands back (token kept) at the first step with entropy ≤ τ."""
     total = {"slm": 0, "llm": 0}
-    for p in PROMPTS:
-        out = gen(server, "token_router", p, greedy())
+    for out in gen_many(server, "token_router", [(p, greedy()) for p in PROMPTS]):
         tau = out["routing_summary"]["params"]["tau"]
         tr = check_trace_consistency(out)
         trace, scores, hs = tr["trace"], tr["scores"], tr["handoffs"]
@@ -230,7 +234,9 @@ def test_me_rule_and_shares(server):
     """ME over three models: the model of every next token is the one the recorded uniform draw
     selects under the weights; token shares match the weights within 4 binomial standard deviations."""
     n = 240
-    out = gen(server, "token_router_me", PROMPTS[2], greedy(n, seed=7))
+    # with the same seed, a shorter request routes the same way (the draws depend on seed and position only)
+    out, again = gen_many(server, "token_router_me", [(PROMPTS[2], greedy(n, seed=7)),
+                                                       (PROMPTS[2], greedy(32, seed=7))])
     tr = check_trace_consistency(out)
     weights = out["routing_summary"]["params"]["weights"]
     assert tr["models"] == ["slm", "llm", "mid"] and len(weights) == 3
@@ -248,8 +254,6 @@ def test_me_rule_and_shares(server):
     for i, w in enumerate(weights):
         share = trace.count(i) / n
         assert abs(share - w) <= 4 * math.sqrt(w * (1 - w) / n), (tr["models"][i], share, w)
-    # same seed, same routing (the draws depend on seed and position only)
-    again = gen(server, "token_router_me", PROMPTS[2], greedy(32, seed=7))
     assert again["routing_trace"]["trace"] == trace[:32]
 
 
@@ -259,7 +263,9 @@ def test_random_rule_and_share(server):
     binomial standard deviations of p; the same seed routes the same way, and ``routing_threshold``
     sets p per request (0: the SLM writes every token)."""
     n = 200
-    out = gen(server, "token_router_random", PROMPTS[2], greedy(n, seed=3))
+    out, again, other, none = gen_many(server, "token_router_random", [
+        (PROMPTS[2], greedy(n, seed=3)), (PROMPTS[2], greedy(32, seed=3)), (PROMPTS[2], greedy(32, seed=4)),
+        (PROMPTS[2], greedy(32, seed=3, routing_threshold=0.0))])
     tr = check_trace_consistency(out)
     p = out["routing_summary"]["params"]["p"]
     assert tr["models"] == ["slm", "llm"] and p == 0.3
@@ -269,11 +275,8 @@ def test_random_rule_and_share(server):
     assert tr["handoffs"] and all(h["committed"] for h in tr["handoffs"])
     share = trace.count(1) / n
     assert abs(share - p) <= 4 * math.sqrt(p * (1 - p) / n), share
-    again = gen(server, "token_router_random", PROMPTS[2], greedy(32, seed=3))
     assert again["routing_trace"]["trace"] == trace[:32]
-    other = gen(server, "token_router_random", PROMPTS[2], greedy(32, seed=4))
     assert other["routing_trace"]["trace"] != trace[:32]
-    none = gen(server, "token_router_random", PROMPTS[2], greedy(32, seed=3, routing_threshold=0.0))
     assert none["routing_trace"]["trace"] == [0] * 32 and none["routing_summary"]["handoffs"] == 0
 
 
@@ -331,13 +334,15 @@ def test_learned_scores_match_offline_router(server):
     from tokenrouter.algorithms import get_algorithm
     from tokenrouter.algorithms.learned import find_router, load_router, r2r_features
 
+    prompt = PROMPTS[0]
+    algos = ("citer", "r2r", "colm")
+    outs = generate_many(server, [(prompt, greedy(16, routing_threshold=0.5), f"token_router_{algo}")
+                                  for algo in algos], timeout=120)
     path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     emb = model.get_input_embeddings().weight
-    prompt = PROMPTS[0]
-    for algo, thr in (("citer", 0.5), ("r2r", 0.5), ("colm", 0.5)):
-        out = gen(server, f"token_router_{algo}", prompt, greedy(16, routing_threshold=thr))
+    for algo, out in zip(algos, outs):
         tr = check_trace_consistency(out)
         ids = tok.encode(prompt)
         seq = torch.tensor([ids + tr["token_ids"]])

@@ -30,6 +30,7 @@ import requests
 import tritonclient.grpc as grpcclient
 
 from tokenrouter.tools import admin
+from tokenrouter.tools.repository import make_variant
 from tr_client import router_inputs, wait_kv_released
 from tr_server import is_stub, python_stubs, running_server
 
@@ -37,6 +38,9 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 #: seconds within which a killed model must be back (a reload is one model initialisation: ~10 s on an idle
 #: host, minutes on a loaded 2-core runner; the bound only catches a recovery that never happens)
 RECOVERY_S = float(os.environ.get("TOKENROUTER_TEST_RECOVERY_S", "300"))
+#: the LLM's drain_timeout_s here (seconds): an unload ends the requests it holds after this long (the
+#: default, 30 s, would only lengthen the test that unloads it under a request)
+DRAIN_S = 5
 #: every token goes to the LLM: a request is almost always waiting on it
 ALL_LLM = {"max_tokens": 200, "temperature": 0, "ignore_eos": True, "routing_threshold": 0.0}
 
@@ -64,7 +68,10 @@ def server(tmp_path_factory):
     cfg = re.sub(r'parameters \{ key: "on_peer_failure"[^\n]*\n', "", cfg)
     cfg += '\nparameters { key: "on_peer_failure" value { string_value: "fallback" } }\n'
     (fb / "config.pbtxt").write_text(cfg)
-    with running_server(REPO_ROOT / "model_repository", work, models={"token_router_fallback": fb}, copy=True,
+    # the LLM's unload drains its requests for DRAIN_S (test_llm_unloaded_under_a_request waits it out)
+    repo = make_variant(str(REPO_ROOT / "model_repository"), str(work / "repo"),
+                        model_params={"llm": {"drain_timeout_s": DRAIN_S}})
+    with running_server(repo, work, models={"token_router_fallback": fb}, copy=True,
                         extra_args=["--model-control-mode=explicit", "--load-model=*"]) as s:
         s.seen = _Seen()
         s.seen.note(s)
@@ -249,8 +256,9 @@ def test_router_killed(server):
 
 def test_llm_unloaded_under_a_request(server):
     """An explicit unload of the LLM while a routed request rides on it: the model drains for
-    ``drain_timeout_s`` and then the request ends with "server is shutting down" naming the
-    unload (not "retry later": an unloaded model is not restarted); a load brings it back."""
+    ``drain_timeout_s`` (``DRAIN_S``) and then the request ends with "server is shutting down"
+    naming the unload (not "retry later": an unloaded model is not restarted); a load brings it
+    back."""
     s = _Stream(server, "token_router", {"max_tokens": 4000, "temperature": 0, "ignore_eos": True,
                                          "routing_threshold": 0.0})
     assert s.first.wait(180), s.error

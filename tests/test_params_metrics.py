@@ -23,7 +23,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tr_client import assert_top_close, generate, grpc_stream, router_inputs, token_logprobs, top_n
+from tr_client import (assert_top_close, concurrently, generate, generate_many, grpc_stream, router_inputs,
+                       token_logprobs, top_n)
 
 PROMPT = "Count: one, two, three,"
 GREEDY = {"temperature": 0}
@@ -150,9 +151,10 @@ def test_repetition_penalty_matches_transformers_across_handoffs(triton_server, 
 
 
 def test_presence_frequency_penalties_reduce_repeats(triton_server):
-    base = generate(triton_server, PROMPT, {"max_tokens": 32, "temperature": 0, "ignore_eos": True})
-    pen = generate(triton_server, PROMPT, {"max_tokens": 32, "temperature": 0, "ignore_eos": True,
-                                           "presence_penalty": 2.0, "frequency_penalty": 2.0})
+    base, pen = generate_many(triton_server, [
+        (PROMPT, {"max_tokens": 32, "temperature": 0, "ignore_eos": True}),
+        (PROMPT, {"max_tokens": 32, "temperature": 0, "ignore_eos": True, "presence_penalty": 2.0,
+                  "frequency_penalty": 2.0})])
     assert pen["_status"] == 200
 
     def repeats(ids):
@@ -163,14 +165,16 @@ def test_presence_frequency_penalties_reduce_repeats(triton_server):
 
 def test_min_tokens_stop_token_ids_and_stop_string_options(triton_server):
     chat = "Reply with one word: what colour is the sky?"
-    short = generate(triton_server, chat, {"max_tokens": 40, "temperature": 0}, chat=True)
+    # these two at once (no equality between them); the requests compared exactly below go one at a time
+    short, special = concurrently(
+        lambda: generate(triton_server, chat, {"max_tokens": 40, "temperature": 0}, chat=True),
+        lambda: generate(triton_server, chat, {"max_tokens": 40, "temperature": 0, "skip_special_tokens": False},
+                         chat=True))
     assert short["finish_reason"] == "stop" and short["num_output_tokens"] < 15, short
     n = short["num_output_tokens"]
     longer = generate(triton_server, chat, {"max_tokens": 40, "temperature": 0, "min_tokens": n + 5}, chat=True)
     assert longer["num_output_tokens"] >= n + 5, longer
     # the EOS token is decoded into the text when special tokens are not skipped
-    special = generate(triton_server, chat, {"max_tokens": 40, "temperature": 0, "skip_special_tokens": False},
-                       chat=True)
     assert "<|im_end|>" in special["text_output"] and "<|im_end|>" not in short["text_output"]
 
     base = generate(triton_server, PROMPT, {"max_tokens": 24, "temperature": 0, "ignore_eos": True})

@@ -2,9 +2,10 @@
 
 Before the ZeroMQ inter-model channel, minutes of such load could crash the
 router's Python stub (BLS response iterators driven from many threads). This
-runs ``tokenrouter.tools.soak`` for a bounded time against the session's server and
-asserts its checks: nothing hung, no valid request failed, malformed requests
-were rejected, KV returned to zero on every model and the server still answers.
+runs ``tokenrouter.tools.soak`` for a bounded time against the session's server
+(after every other module that uses it: tests/conftest.py) and asserts its checks:
+nothing hung, no valid request failed, malformed requests were rejected, KV returned
+to zero on every model and the server still answers.
 Length: $TOKENROUTER_SOAK_SECONDS (default 30 s of load; the soak tool itself runs as long as asked).
 """
 
@@ -12,9 +13,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from tokenrouter.tools.soak import run_soak
 
 
+@pytest.mark.breaks_server  # its load runs after every other test of the shared server (tests/conftest.py)
 def test_sustained_handoff_load(triton_server):
     rep = run_soak(triton_server.grpc_url, float(os.environ.get("TOKENROUTER_SOAK_SECONDS", "30")),
                    concurrency=8, thresholds=(0.1, 0.2, 0.3), request_timeout_s=240, seed=1,

@@ -4,12 +4,13 @@
   distributed as the LLM's p whatever the draft distribution q (Leviathan et al. 2023, Thm 3.5);
 * the engine: logits at every drafted position of one extend equal those of decoding the same
   tokens one by one; truncating a sequence frees the KV of the cut tokens;
-* the real server (one tritonserver for the module): with temperature 0 the output equals
-  LLM-only's token for token for every prompt, alone and 8 at a time, with drafts that are
-  all accepted (the demo pair: the same SmolLM2 in both roles) and with drafts that are often
-  rejected (drafts sampled at ``draft_temperature`` 1.5, verification greedy: the rollback
-  runs); the routing summary / trace / metrics count drafts and accepted drafts; a cancelled
-  request and a request whose LLM dies leave no KV on any model, drafts included.
+* the real server (tests/conftest.py's ``routing_server``, shared with test_structured.py; its
+  routers are tr_server.ROUTING_ROUTERS): with temperature 0 the output equals LLM-only's token
+  for token for every prompt, alone, 4 and 8 at a time, with drafts that are all accepted (the
+  demo pair: the same SmolLM2 in both roles) and with drafts that are often rejected (drafts
+  sampled at ``draft_temperature`` 1.5, verification greedy: the rollback runs); the routing
+  summary / trace / metrics count drafts and accepted drafts; a cancelled request and a request
+  whose LLM dies leave no KV on any model, drafts included.
 
 Draft-verify (algorithm ``draft_verify``: the LLM keeps the drafts it finds acceptable, and adds
 no token of its own when it keeps them all), on the same server: its rules on hand-made logits
@@ -27,16 +28,13 @@ import os
 import queue
 import signal
 import time
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from tr_client import (generate, grpc_stream, metric_values, model_stats, router_inputs, stream_then_cancel,
+from tr_client import (generate, generate_many, grpc_stream, metric_values, router_inputs, stream_then_cancel,
                        wait_kv_released)
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 PROMPTS = [
     "Explain why the sky is blue in two sentences.",
@@ -47,30 +45,6 @@ PROMPTS = [
 ]
 N = 32  # output tokens per request
 TIMEOUT = 900  # s per request: the CPU may be shared with other jobs
-
-ROUTERS = {
-    "token_router_llm": {"algorithm": "none", "algorithm_params": '{"model": 1}'},
-    "token_router_spec": {"algorithm": "speculative", "algorithm_params": '{"k": 4}'},
-    # drafts sampled at temperature 1 (verification stays greedy): many are rejected
-    "token_router_spec_reject": {"algorithm": "speculative",
-                                 "algorithm_params": '{"k": 4, "draft_temperature": 1.0}'},
-    # hotter drafts, more of them: most are rejected
-    "token_router_spec_hot": {"algorithm": "speculative",
-                              "algorithm_params": '{"k": 5, "draft_temperature": 1.5}'},
-    "token_router_spec_adaptive": {"algorithm": "speculative",
-                                   "algorithm_params": '{"k": 2, "adaptive": true, "k_max": 6, '
-                                                       '"draft_temperature": 0.8}'},
-    "token_router_slm": {"algorithm": "none", "algorithm_params": '{"model": 0}'},
-    # draft-verify at alpha = 1 with the ratio rule on drafts sampled at temperature 1: the LLM
-    # replaces many of them, and the output is LLM-only's
-    "token_router_dv": {"algorithm": "draft_verify",
-                        "algorithm_params": '{"k": 4, "rule": "ratio", "alpha": 1.0, "draft_temperature": 1.0}'},
-    # the SLM's own drafts, kept when the LLM's probability of them is >= 0.5; adaptive k
-    "token_router_dv_prob": {"algorithm": "draft_verify",
-                             "algorithm_params": '{"k": 3, "adaptive": true, "k_max": 6, "rule": "prob", '
-                                                 '"alpha": 0.5}'},
-}
-
 
 # ------------------------------------------------------------------ the rule, no model
 def _verifier(sampling):
@@ -368,16 +342,8 @@ def test_engine_position_logits_and_truncate(engine):
 
 # ------------------------------------------------------------------ the server
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from tokenrouter.tools.repository import make_variant
-    from tr_server import running_server
-
-    tmp = tmp_path_factory.mktemp("speculative")
-    small = {"kv_pool_tokens": "8192", "max_running_requests": "32"}
-    repo = make_variant(str(REPO_ROOT / "model_repository"), str(tmp / "repo"),
-                        model_params={"slm": small, "llm": small}, routers=ROUTERS)
-    with running_server(repo, tmp) as srv:
-        yield srv
+def server(routing_server):
+    return routing_server  # tests/conftest.py: shared with test_structured.py
 
 
 def greedy(n=N, **kw):
@@ -392,7 +358,8 @@ def _ids(out):
 @pytest.fixture(scope="module")
 def reference(server):
     """LLM-only greedy output of every prompt (token ids)."""
-    return {p: _ids(generate(server, p, greedy(), model="token_router_llm", timeout=TIMEOUT)) for p in PROMPTS}
+    outs = generate_many(server, [(p, greedy()) for p in PROMPTS], model="token_router_llm", timeout=TIMEOUT)
+    return {p: _ids(out) for p, out in zip(PROMPTS, outs)}
 
 
 def _check_summary(out):
@@ -419,8 +386,9 @@ def _check_summary(out):
                                     "token_router_spec_adaptive"])
 def test_greedy_output_equals_llm_only(server, reference, router):
     drafted = accepted = 0
-    for p in PROMPTS:
-        out = generate(server, p, greedy(), model=router, timeout=TIMEOUT)
+    outs = [generate(server, PROMPTS[0], greedy(), model=router, timeout=TIMEOUT)]  # alone
+    outs += generate_many(server, [(p, greedy()) for p in PROMPTS[1:]], model=router, timeout=TIMEOUT)  # 4 at once
+    for p, out in zip(PROMPTS, outs):
         assert _ids(out) == reference[p], (router, p)
         spec = _check_summary(out)
         drafted, accepted = drafted + spec["drafted"], accepted + spec["accepted"]
@@ -473,14 +441,14 @@ def test_logprobs_of_verified_tokens_come_from_their_writer(server, router):
 
 
 def test_stop_and_budget_end_a_round(server):
-    # a budget below k: the drafts stop at the budget, the output has exactly max_tokens tokens
-    for n in (1, 2, 3):
-        out = generate(server, PROMPTS[0], greedy(n, ignore_eos=True), model="token_router_spec", timeout=TIMEOUT)
-        ref = generate(server, PROMPTS[0], greedy(n, ignore_eos=True), model="token_router_llm", timeout=TIMEOUT)
+    # a budget below k: the drafts stop at the budget, the output has exactly max_tokens tokens;
+    # EOS ends the request inside a round, as with LLM-only (the last pair)
+    jobs = [(PROMPTS[0], greedy(n, ignore_eos=True)) for n in (1, 2, 3)] + [("Say OK.", greedy(64))]
+    outs = generate_many(server, [(*j, r) for j in jobs for r in ("token_router_spec", "token_router_llm")],
+                         timeout=TIMEOUT)
+    for n, out, ref in zip((1, 2, 3), outs[0::2], outs[1::2]):
         assert _ids(out) == _ids(ref) and len(_ids(out)) == n and out["finish_reason"] == "length"
-    # EOS ends the request inside a round, as with LLM-only
-    out = generate(server, "Say OK.", greedy(64), model="token_router_spec", timeout=TIMEOUT)
-    ref = generate(server, "Say OK.", greedy(64), model="token_router_llm", timeout=TIMEOUT)
+    out, ref = outs[-2:]
     assert _ids(out) == _ids(ref) and out["finish_reason"] == ref["finish_reason"]
 
 
@@ -535,7 +503,8 @@ def test_cancelled_requests_free_all_kv(server):
 @pytest.fixture(scope="module")
 def reference_slm(server):
     """SLM-only greedy output of every prompt (token ids)."""
-    return {p: _ids(generate(server, p, greedy(), model="token_router_slm", timeout=TIMEOUT)) for p in PROMPTS}
+    outs = generate_many(server, [(p, greedy()) for p in PROMPTS], model="token_router_slm", timeout=TIMEOUT)
+    return {p: _ids(out) for p, out in zip(PROMPTS, outs)}
 
 
 def _check_dv_summary(out):
@@ -568,38 +537,42 @@ def test_draft_verify_alpha_one_ratio_equals_llm_only(server, reference):
     per request) too: it rejects nearly every draft and writes its argmax instead, here the draft
     itself (the demo pair's two models are one), which the SLM's rollback must handle."""
     drafted = accepted = 0
-    for p in PROMPTS:
-        out = generate(server, p, greedy(), model="token_router_dv", timeout=TIMEOUT)
+    jobs = [(p, greedy(), "token_router_dv") for p in PROMPTS] + \
+           [(p, greedy(routing_threshold=1.0), "token_router_dv_prob") for p in PROMPTS] + \
+           [(PROMPTS[1], greedy(), "token_router_spec_reject")]
+    outs = generate_many(server, jobs, timeout=TIMEOUT)
+    for p, out in zip(PROMPTS, outs[:len(PROMPTS)]):
         assert _ids(out) == reference[p], p
         spec = _check_dv_summary(out)
         drafted, accepted = drafted + spec["drafted"], accepted + spec["accepted"]
-        out = generate(server, p, greedy(routing_threshold=1.0), model="token_router_dv_prob", timeout=TIMEOUT)
+    for p, out in zip(PROMPTS, outs[len(PROMPTS):-1]):
         assert _ids(out) == reference[p], p
         _check_dv_summary(out)
     assert 0 < accepted < drafted, (accepted, drafted)
-    spec = generate(server, PROMPTS[1], greedy(), model="token_router_spec_reject", timeout=TIMEOUT)
-    assert _ids(spec) == reference[PROMPTS[1]]
+    assert _ids(outs[-1]) == reference[PROMPTS[1]]
 
 
 def test_draft_verify_alpha_zero_equals_slm_only(server, reference_slm):
     """alpha = 0 keeps every draft and the LLM adds no token: SLM-only's output, greedy and sampled
     with a seed (the drafts are the SLM's sampler's tokens)."""
-    for p in PROMPTS:
-        out = generate(server, p, greedy(routing_threshold=0.0), model="token_router_dv_prob", timeout=TIMEOUT)
+    sp = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True}
+    budgets = (1, 2, 5)
+    jobs = [(p, greedy(routing_threshold=0.0), "token_router_dv_prob") for p in PROMPTS] + \
+           [(PROMPTS[2], sp, "token_router_slm"), (PROMPTS[2], {**sp, "routing_threshold": 0.0}, "token_router_dv_prob")]
+    for n in budgets:
+        jobs += [(PROMPTS[1], greedy(n, ignore_eos=True), "token_router_slm"),
+                 (PROMPTS[1], greedy(n, ignore_eos=True, routing_threshold=0.0), "token_router_dv_prob")]
+    outs = generate_many(server, jobs, timeout=TIMEOUT)
+    for p, out in zip(PROMPTS, outs):
         assert _ids(out) == reference_slm[p], p
         spec = _check_dv_summary(out)
         assert spec["accepted"] == spec["drafted"] == len(_ids(out)) and set(out["routing_trace"]["trace"]) == {0}
         assert out["routing_summary"]["tokens_by_model"]["llm"] == 0
-    sp = {"max_tokens": 24, "temperature": 0.9, "top_p": 0.95, "seed": 11, "ignore_eos": True}
-    ref = generate(server, PROMPTS[2], sp, model="token_router_slm", timeout=TIMEOUT)
-    out = generate(server, PROMPTS[2], {**sp, "routing_threshold": 0.0}, model="token_router_dv_prob",
-                   timeout=TIMEOUT)
+    ref, out = outs[len(PROMPTS):len(PROMPTS) + 2]
     assert _ids(out) == _ids(ref) and len(_ids(out)) == 24
     # the budget ends a round that keeps every draft: exactly max_tokens tokens, no LLM token
-    for n in (1, 2, 5):
-        ref = generate(server, PROMPTS[1], greedy(n, ignore_eos=True), model="token_router_slm", timeout=TIMEOUT)
-        out = generate(server, PROMPTS[1], greedy(n, ignore_eos=True, routing_threshold=0.0),
-                       model="token_router_dv_prob", timeout=TIMEOUT)
+    rest = outs[len(PROMPTS) + 2:]
+    for n, ref, out in zip(budgets, rest[0::2], rest[1::2]):
         assert _ids(out) == _ids(ref) and len(_ids(out)) == n and out["finish_reason"] == "length"
         assert set(out["routing_trace"]["trace"]) == {0}
 
@@ -614,8 +587,8 @@ def test_draft_verify_frees_the_kv_of_every_rejection(server, reference):
     m0 = {k: metric_values(server, f"tokenrouter:{k}").get("token_router_dv_prob", 0.0) for k in names}
     st0 = wait_kv_released(server)
     rounds = drafted = accepted = freed = 0
-    for p in PROMPTS[:3]:
-        out = generate(server, p, greedy(ignore_eos=True), model="token_router_dv_prob", timeout=TIMEOUT)
+    for out in generate_many(server, [(p, greedy(ignore_eos=True)) for p in PROMPTS[:3]], model="token_router_dv_prob",
+                             timeout=TIMEOUT):
         assert len(_ids(out)) == N
         spec = _check_dv_summary(out)
         rounds, drafted, accepted = rounds + spec["rounds"], drafted + spec["drafted"], accepted + spec["accepted"]
@@ -662,8 +635,10 @@ def test_draft_verify_bad_requests_are_refused(server):
     wait_kv_released(server)
 
 
+@pytest.mark.breaks_server
 def test_llm_failure_frees_the_drafters_kv(server):
-    """Last test of the module: it kills the LLM's stub (as an OOM kill would)."""
+    """Last test of the module: it kills the LLM's stub (as an OOM kill would); tests/conftest.py runs
+    this module after the other users of its server."""
     from tr_server import python_stubs
 
     s = _stream(server, "token_router_spec_reject", "Tell me a long story about a dragon.",

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import json
 import queue
 import re
 import time
 import urllib.request
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 import requests
@@ -32,6 +33,30 @@ def generate(server, prompt: str, sampling: Optional[Dict[str, Any]] = None, *, 
         if isinstance(out.get(k), str):
             out[k] = json.loads(out[k])
     return out
+
+
+def concurrently(*calls: Callable[[], Any]) -> List[Any]:
+    """Run the zero-argument ``calls`` at once, one thread each; their results in order (the first
+    exception is raised once all have ended)."""
+    if not calls:
+        return []
+    with cf.ThreadPoolExecutor(len(calls)) as ex:
+        return [f.result() for f in [ex.submit(c) for c in calls]]
+
+
+def generate_many(server, requests: Sequence[tuple], **kwargs) -> List[Dict[str, Any]]:
+    """:func:`generate` for each of ``requests`` at once, one client thread each (the models batch
+    them); the outputs in the order of ``requests``.
+
+    Args:
+        requests: ``(prompt, sampling)`` or ``(prompt, sampling, model)`` tuples.
+        kwargs: more of generate's arguments, for every request (``chat``, ``timeout``, ``model``).
+    """
+    def one(req):
+        prompt, sampling, *model = req
+        return lambda: generate(server, prompt, sampling, **{**kwargs, **({"model": model[0]} if model else {})})
+
+    return concurrently(*map(one, requests))
 
 
 def _input(name, arr, dtype):
