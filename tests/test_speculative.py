@@ -17,7 +17,10 @@ no token of its own when it keeps them all), on the same server: its rules on ha
 and the engine's handling of a verification without an own token (no model); at alpha = 1
 (``ratio``) the greedy output is LLM-only's (= speculative decoding's), at alpha = 0 SLM-only's
 (greedy, and sampled with a seed); the summary / trace / metrics bookkeeping; the KV of every
-rejected draft freed; cancellations leaving no KV; bad alpha / k / rule refused.
+rejected draft freed; cancellations leaving no KV; bad alpha / k / rule refused.  Its trained-router
+rule: the features and the keep decision on hand-made logits, its alpha ends (0: every draft, 1: the
+argmax only, exact speculation's tokens), the shipped router found for the LLM's checkpoint, and on
+the server the alpha ends and the KV freed.
 """
 
 from __future__ import annotations
@@ -284,10 +287,120 @@ def test_draft_verify_parameters_are_checked():
     assert get_algorithm("draft_verify").validate_params({}, 2)["rule"] == "ratio"
     for bad, msg in (('{"alpha": 1.5}', r"'alpha'=1.5 outside \[0.0, 1.0\]"), ('{"alpha": -0.1}', "'alpha'"),
                      ('{"k": 0}', r"'k'=0 outside"), ('{"k": "adaptive"}', "'k' must be int"),
-                     ('{"rule": "judge"}', r"'rule': must be one of \['prob', 'ratio'\]"),
-                     ('{"rule": "router"}', "not built")):
+                     ('{"rule": "judge"}', r"'rule': must be one of \['prob', 'ratio', 'router'\]"),
+                     ('{"rule": "router", "router": "dv_none.pt"}', "router file 'dv_none.pt' not found"),
+                     ('{"rule": "router", "router": "r2r_smollm2-135m.pt"}',
+                      "holds a 'r2r' router, algorithm needs 'dv'"),
+                     ('{"rule": "ratio", "router": "dv_smollm2-135m.pt"}', "'router' is used by rule 'router' only")):
         with pytest.raises(ValueError, match=msg):
             configure("draft_verify", bad, 2)
+    _, params = configure("draft_verify", '{"rule": "router", "router": "dv_smollm2-135m.pt"}', 2)
+    assert params["rule"] == "router"  # the shipped demo-pair router loads
+
+
+# ------------------------------------------------------------------ draft-verify's router rule, no model
+def test_dv_features_on_hand_made_logits():
+    from tokenrouter.algorithms.learned import DV_FEATURES, dv_features
+
+    row = [0.5, 0.3, 0.15, 0.05]
+    logits = _rows(row, row) + torch.tensor([[0.0], [7.0]])  # a shift per row changes nothing
+    f = dv_features(logits, [2, 0])
+    assert f.shape == (2, len(DV_FEATURES)) and f.dtype == torch.float32
+    ent = -sum(p * math.log(p) for p in row) / math.log(4)
+    want = [[math.log(0.15), math.log(0.5), math.log(0.15 / 0.5), ent, math.log(3), math.log(0.5 / 0.3)],
+            [math.log(0.5), math.log(0.5), 0.0, ent, 0.0, math.log(0.5 / 0.3)]]
+    assert torch.allclose(f, torch.tensor(want), atol=1e-5), f
+    z = logits.clone()
+    z[0, 2] = -math.inf  # masked by a grammar: floored, finite
+    assert torch.isfinite(dv_features(z, [2, 0])).all() and float(dv_features(z, [2, 0])[0, 0]) == -100.0
+
+
+def test_router_keeps_the_argmax_and_what_the_router_accepts():
+    from tokenrouter.algorithms.draft_verify import router_keeps
+
+    row = [0.5, 0.3, 0.15, 0.05]
+    logits = _rows(row, row, row, row)
+    drafts = [0, 1, 2]
+    z = torch.tensor([5.0, 0.0, -2.0])  # P(critical) = 0.993, 0.5, 0.119
+    assert router_keeps(logits, drafts, z, 0.0).tolist() == [True, True, True]
+    assert router_keeps(logits, drafts, z, 0.5).tolist() == [True, True, True]  # 1 - P >= 0.5 at 1 and 2
+    assert router_keeps(logits, drafts, z, 0.6).tolist() == [True, False, True]  # the argmax whatever z
+    assert router_keeps(logits, drafts, z, 0.9).tolist() == [True, False, False]
+    assert router_keeps(logits, drafts, torch.full((3,), -1e4), 1.0).tolist() == [True, False, False]
+    masked = logits.clone()
+    masked[1, 1] = -math.inf  # probability 0: rejected unless alpha = 0
+    assert router_keeps(masked, drafts, torch.full((3,), -1e4), 0.01).tolist() == [True, False, True]
+    assert router_keeps(masked, drafts, z, 0.0).tolist() == [True, True, True]
+
+
+class _Gap(torch.nn.Module):
+    """A stand-in dv router: z = -4 - 2 * logp_gap (drafts far below the argmax are critical)."""
+
+    def forward(self, x):
+        return -4.0 - 2.0 * x[:, 2]
+
+
+def _dv_router(sampling, alpha, router=None):
+    from tokenrouter.algorithms.learned import RouterFile
+
+    algo, res = _dv(sampling, rule="router", alpha=alpha)
+    algo.router = router or RouterFile("stand-in", "dv", {"in_dim": 6}, _Gap(), None, {})
+    return algo, res
+
+
+def test_draft_verify_router_rule_and_its_alpha_ends():
+    """Rule router: the argmax and the drafts the router accepts are kept; alpha = 0 keeps every draft
+    (SLM-only's output), alpha = 1 only the argmax: speculative decoding's greedy verification, less its
+    bonus token when every draft is kept (random logits)."""
+    from tokenrouter.protocol import Verdict
+
+    row = [0.5, 0.3, 0.15, 0.05]
+    logits = _rows(row, row, row, row)
+    greedy = {"temperature": 0}
+    # gap(1) = log 0.6: z = -2.98, P = 0.048; gap(3) = log 0.1: z = 0.61, P = 0.65
+    algo, res = _dv_router(greedy, 0.5)
+    assert algo.verify(res, logits, [1, 0, 1]) == Verdict([1, 0, 1], 3)
+    assert algo.verify(res, logits, [1, 3, 1]) == Verdict([1, 0], 1)  # 3 rejected: the LLM's argmax instead
+    assert algo.verified == {"drafted": 3, "accepted": 1}
+    algo, res = _dv_router(greedy, 0.96)
+    assert algo.verify(res, logits, [0, 1, 0]) == Verdict([0, 0], 1)
+    g = torch.Generator().manual_seed(2)
+    spec, sres = _verifier(greedy)
+    ends = {0.0: _dv_router(greedy, 0.0), 1.0: _dv_router(greedy, 1.0)}
+    full = 0
+    for _ in range(300):
+        k = int(torch.randint(1, 6, (1,), generator=g))
+        lg = torch.randn(k + 1, 12, generator=g) * 3
+        best = lg.argmax(-1)
+        drafts = [int(best[j]) if torch.rand(1, generator=g) < 0.7 else int(torch.randint(0, 12, (1,), generator=g))
+                  for j in range(k)]
+        assert ends[0.0][0].verify(ends[0.0][1], lg, drafts) == Verdict(drafts, k)
+        v, want = ends[1.0][0].verify(ends[1.0][1], lg, drafts), spec.verify(sres, lg, drafts)
+        if v.accepted == k:
+            full += 1
+            assert v.tokens == want[:-1] == drafts
+        else:
+            assert v.tokens == want and v.accepted == len(want) - 1
+    assert 0 < full < 300
+
+
+def test_draft_verify_router_rule_with_the_shipped_router():
+    """The demo pair's shipped dv router, loaded by router=auto for model 1's checkpoint: its z from
+    the features; a draft far below the argmax is judged more critical than one close to it."""
+    from tokenrouter.algorithms.learned import find_router, load_router
+
+    path = find_router("dv", os.path.join("weights", "smollm2-135m-instruct"), key="llm")
+    router = load_router(path, "dv")
+    assert router.meta["llm"] == "smollm2-135m-instruct" and router.meta["target"] == "critical"
+    algo, res = _dv_router({"temperature": 0}, 0.5, router)
+    engine = SimpleNamespace(config=SimpleNamespace(model_path="/x/smollm2-135m-instruct"), vocab_size=4)
+    algo.attach(engine)
+    assert algo.router.path == path
+    row = [0.6, 0.3, 0.0999, 0.0001]
+    z = algo.router_logits(_rows(row, row), [1, 3])
+    assert z.shape == (2,) and float(z[1]) > float(z[0])
+    with pytest.raises(ValueError, match="no shipped dv router was trained for model 1 'other-llm'"):
+        algo.attach(SimpleNamespace(config=SimpleNamespace(model_path="other-llm"), vocab_size=4))
 
 
 # ------------------------------------------------------------------ the engine
@@ -611,6 +724,42 @@ def test_draft_verify_frees_the_kv_of_every_rejection(server, reference):
             break
         time.sleep(0.5)
     assert got == want, (got, want)
+
+
+def test_draft_verify_router_rule(server, reference):
+    """Rule router with the shipped demo-pair router, on drafts sampled at temperature 1.  alpha = 1 (per
+    request): only the LLM's argmax is kept, the greedy output is LLM-only's.  alpha = 0: every draft is
+    kept and the LLM writes nothing, the output is the drafts, those of the ratio rule at alpha = 0 with
+    the same seed.  alpha = 0.5: served with the bookkeeping exact, the KV of every rejected draft (and
+    of each fully kept round's last draft) freed on the LLM, nothing left held on either model."""
+    st0 = wait_kv_released(server)
+    rounds = drafted = accepted = freed = 0
+    for alpha in (1.0, 0.5):
+        for p in PROMPTS[:3]:
+            out = generate(server, p, greedy(routing_threshold=alpha), model="token_router_dv_router", timeout=TIMEOUT)
+            if alpha == 1.0:
+                assert _ids(out) == reference[p], p
+            spec = _check_dv_summary(out)
+            rounds, drafted, accepted = rounds + spec["rounds"], drafted + spec["drafted"], accepted + spec["accepted"]
+            freed += sum(d["drafted"] - d["accepted"] if d["accepted"] < d["drafted"] else 1
+                         for d in out["routing_trace"]["drafts"])
+    assert 0 < accepted < drafted, (accepted, drafted)
+    sp = greedy(24, seed=4, ignore_eos=True, routing_threshold=0.0)
+    out = generate(server, PROMPTS[2], sp, model="token_router_dv_router", timeout=TIMEOUT)
+    ref = generate(server, PROMPTS[2], sp, model="token_router_dv", timeout=TIMEOUT)
+    assert _ids(out) == _ids(ref) and len(_ids(out)) == 24
+    spec = _check_dv_summary(out)
+    assert spec["accepted"] == spec["drafted"] == 24 and out["routing_summary"]["tokens_by_model"]["llm"] == 0
+    st = wait_kv_released(server)
+    for m, s in st.items():
+        assert s["kv_tokens_in_use"] == 0 and s["active"] == 0, (m, s)
+    llm = {k: st["llm"][k] - st0["llm"][k] for k in ("verifications", "drafts_verified", "drafts_accepted",
+                                                     "verify_kv_freed")}
+    ref_spec = ref["routing_summary"]["speculative"]
+    want = {"verifications": rounds + spec["rounds"] + ref_spec["rounds"],
+            "drafts_verified": drafted + 2 * 24, "drafts_accepted": accepted + 2 * 24,
+            "verify_kv_freed": freed + spec["rounds"] + ref_spec["rounds"]}
+    assert llm == want, (llm, want)
 
 
 def test_draft_verify_cancellation_leaves_no_kv(server):

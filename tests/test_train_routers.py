@@ -2,7 +2,8 @@
 
 The tiny run trains on the demo pair (SmolLM2-135M; the labelling SLM is its fake-quantised copy)
 with five prompts, so that every step of the recipe runs: LLM trajectories, teacher-forced
-features, rollouts at the divergences, the three routers, their files and the ``router=auto`` lookup.
+features, rollouts at the divergences, the four routers (draft-verify's included), their files,
+the ``router=auto`` lookup and draft-verify's rule loading its file.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 import pytest
 import torch
 
-from tokenrouter.algorithms.learned import find_router, load_router
+from tokenrouter.algorithms import configure
+from tokenrouter.algorithms.learned import DV_FEATURES, find_router, load_router
 from tokenrouter.tools import train_routers as tr
 
 STOP = 0
@@ -52,7 +54,7 @@ def test_tiny_training_run_writes_routers_that_auto_finds(tmp_path, monkeypatch)
                   "--rejoin-tokens", "2", "--epochs", "2", "--r2r-width", "16", "--r2r-depth", "2",
                   "--citer-width", "16", "--out", str(out), "--name", "tiny", "--threads", "2"])
     assert rc == 0
-    files = {k: out / f"{k}_tiny.pt" for k in ("r2r", "citer", "colm")}
+    files = {k: out / f"{k}_tiny.pt" for k in ("r2r", "citer", "colm", "dv")}
     assert all(f.is_file() for f in files.values())
     r2r = load_router(str(files["r2r"]), "r2r")
     rates = r2r.meta["rates"]
@@ -61,8 +63,24 @@ def test_tiny_training_run_writes_routers_that_auto_finds(tmp_path, monkeypatch)
     assert set(r2r.meta["metrics"]["threshold_at_share"]) == {str(s) for s in tr.SHARES}
     assert load_router(str(files["citer"]), "citer").meta["target"] == "1 - critical"
     assert load_router(str(files["colm"]), "colm").meta["target"] == "diff"
+    dv = load_router(str(files["dv"]), "dv")
+    assert dv.meta["features"] == list(DV_FEATURES) and dv.meta["target"] == "critical"
+    assert dv.meta["llm"] == "smollm2-135m-instruct" and dv.arch["in_dim"] == len(DV_FEATURES)
+    met = dv.meta["metrics"]
+    assert 0 < met["train_n"] and 0 < met["val_n"] <= round(rates["diff"] * dv.meta["positions"])
+    assert set(met["kept_at_alpha"]) == {str(a) for a in tr.DV_ALPHAS}
+    kept = [met["kept_at_alpha"][str(a)] for a in tr.DV_ALPHAS]
+    assert kept == sorted(kept, reverse=True)  # a larger alpha keeps fewer drafts
+    _, params = configure("draft_verify", {"rule": "router", "router": str(files["dv"])}, 2)
+    assert params["router"] == str(files["dv"])
     # router=auto picks the file trained for model 0's checkpoint, from the routers folder
     monkeypatch.setattr("tokenrouter.algorithms.learned.ROUTERS_DIR", str(out))
     assert find_router("r2r", os.path.join("weights", "smollm2-135m-instruct")) == str(files["r2r"])
     with pytest.raises(ValueError, match="no shipped colm router was trained for model 0 'other-model'"):
         find_router("colm", "other-model")
+    assert find_router("dv", os.path.join("weights", "smollm2-135m-instruct"), key="llm") == str(files["dv"])
+
+
+def test_kinds_are_checked():
+    with pytest.raises(SystemExit):
+        tr.main(["--kinds", "r2r,judge"])

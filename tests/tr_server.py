@@ -173,6 +173,11 @@ ROUTING_ROUTERS = {
     "token_router_dv_prob": {"algorithm": "draft_verify",
                              "algorithm_params": '{"k": 3, "adaptive": true, "k_max": 6, "rule": "prob", '
                                                  '"alpha": 0.5}'},
+    # the trained-router rule (router=auto: the shipped dv router of the LLM's checkpoint) on the
+    # drafts of token_router_dv (sampled at temperature 1)
+    "token_router_dv_router": {"algorithm": "draft_verify",
+                               "algorithm_params": '{"k": 4, "rule": "router", "alpha": 0.5, '
+                                                   '"draft_temperature": 1.0}'},
     # every token drawn: about half of them on each model
     "token_router_random": {"algorithm": "random", "algorithm_params": '{"p": 0.5, "seed": 3}'},
     # a compile limit no real grammar meets: the refusal path of a slow grammar

@@ -25,12 +25,17 @@ Architectures (``kind`` in the file):
            (Co-LLM, Shen et al. 2024, "Learning to Decode Collaboratively with
            Multiple Language Models": a linear head on the base model's hidden
            state).
+``dv``     :class:`MLPHead` on :func:`dv_features` -> sigmoid = probability that a
+           drafted token is *critical*, scored from the **LLM's** verification pass
+           (draft-verify's ``router`` rule, :mod:`.draft_verify`; unlike the three
+           above it reads model 1's logits at the drafted position, not model 0's step).
 
 File format (``torch.save`` of a plain dict, loadable with
 ``torch.load(weights_only=True)``)::
 
-    {"format": "tokenrouter-router/1", "kind": "citer"|"r2r"|"colm",
+    {"format": "tokenrouter-router/1", "kind": "citer"|"r2r"|"colm"|"dv",
      "arch": {"in_dim": int, "width": int, "depth": int, "hidden_size": int, "topk": int},
+                                               # (dv: in_dim, width, depth)
      "state_dict": {name: float16 tensor},     # includes the input standardisation
      "threshold": float | None,                # R2R: the recall-picked threshold
      "meta": {...}}                            # how it was trained (train_routers.py)
@@ -41,6 +46,7 @@ path and modification time) and evaluated in float32 under ``torch.no_grad``.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from typing import Any, Dict, Optional, Tuple
@@ -49,7 +55,8 @@ import torch
 from torch import nn
 
 __all__ = ["FORMAT", "ROUTERS_DIR", "MLPHead", "LinearHead", "build_router", "load_router", "save_router",
-           "resolve_router_path", "RouterFile", "r2r_features", "embedding_matrix", "AUTO", "find_router"]
+           "resolve_router_path", "RouterFile", "r2r_features", "embedding_matrix", "AUTO", "find_router",
+           "DV_FEATURES", "dv_features"]
 
 FORMAT = "tokenrouter-router/1"
 #: shipped routers (the ``router`` parameter's relative paths resolve here first)
@@ -99,11 +106,11 @@ class LinearHead(nn.Module):
 
 def build_router(kind: str, arch: Dict[str, int]) -> nn.Module:
     """The module of a router ``kind`` with architecture ``arch`` (see module docstring)."""
-    if kind in ("citer", "r2r"):
+    if kind in ("citer", "r2r", "dv"):
         return MLPHead(int(arch["in_dim"]), int(arch["width"]), int(arch["depth"]))
     if kind == "colm":
         return LinearHead(int(arch["in_dim"]))
-    raise ValueError(f"unknown router kind {kind!r}; expected citer, r2r or colm")
+    raise ValueError(f"unknown router kind {kind!r}; expected citer, r2r, colm or dv")
 
 
 class RouterFile:
@@ -144,24 +151,27 @@ def resolve_router_path(path: str) -> str:
 AUTO = "auto"
 
 
-def find_router(kind: str, slm_path: str) -> str:
-    """The shipped router file of ``kind`` trained for the SLM at ``slm_path`` (the ``router=auto`` default).
+def find_router(kind: str, model_path: str, key: str = "slm") -> str:
+    """The shipped router file of ``kind`` trained for the model at ``model_path`` (the ``router=auto`` default).
 
-    A file matches when its ``meta["slm"]`` (train_routers.py writes the SLM checkpoint's folder
-    name) equals ``basename(slm_path)``; files are ``<kind>_<name>.pt`` under :data:`ROUTERS_DIR`.
+    A file matches when its ``meta[key]`` (train_routers.py writes the checkpoints' folder names:
+    ``slm`` for model 0, ``llm`` for model 1) equals ``basename(model_path)``; files are
+    ``<kind>_<name>.pt`` under :data:`ROUTERS_DIR`.  CITER, R2R and Co-LLM look up model 0's
+    checkpoint (``key="slm"``); draft-verify's router, which model 1 evaluates, model 1's (``"llm"``).
 
     Returns:
-        the absolute path of the matching file.
+        the absolute path of the matching file (the first in name order).
     Raises:
         ValueError: no shipped router of that kind matches (the message lists what is shipped and
             how to train one).
     """
-    want = os.path.basename(os.path.normpath(slm_path))
+    want = os.path.basename(os.path.normpath(model_path))
     shipped = sorted(f for f in os.listdir(ROUTERS_DIR) if f.startswith(kind + "_") and f.endswith(".pt"))
     for f in shipped:
-        if load_router(f, kind).meta.get("slm") == want:
+        if load_router(f, kind).meta.get(key) == want:
             return os.path.join(ROUTERS_DIR, f)
-    raise ValueError(f"no shipped {kind} router was trained for model 0 {want!r} (shipped: {shipped}); "
+    role = "model 0" if key == "slm" else "model 1"
+    raise ValueError(f"no shipped {kind} router was trained for {role} {want!r} (shipped: {shipped}); "
                      f"train one with `python -m tokenrouter.tools.train_routers` and set the 'router' "
                      f"parameter to its file (docs/algorithms/training.md)")
 
@@ -235,3 +245,40 @@ def r2r_features(hidden: torch.Tensor, token_emb: torch.Tensor, logits: torch.Te
     """
     top = torch.topk(logits.float(), topk, dim=-1).values
     return torch.cat([hidden.float(), token_emb.float(), top], dim=-1)
+
+
+#: the draft-verify router's input (:func:`dv_features`), column by column
+DV_FEATURES = ("logp", "logp_max", "logp_gap", "norm_entropy", "log_rank", "top2_margin")
+#: log-probabilities are floored here (a token the grammar forbids has -inf)
+_LOGP_FLOOR = -100.0
+
+
+def dv_features(logits: torch.Tensor, tokens) -> torch.Tensor:
+    """Draft-verify's router input: how the LLM's distribution at a position judges a token there.
+
+    With ``lp = log_softmax(l)`` of the LLM's raw next-token logits ``l`` (temperature 1) at a
+    position and ``x`` the drafted token there, the columns (:data:`DV_FEATURES`) are:
+
+    * ``logp``: ``lp(x)`` (what the ``prob`` rule compares with log alpha);
+    * ``logp_max``: ``max lp`` (the LLM's confidence in its own token);
+    * ``logp_gap``: ``lp(x) - max lp = l(x) - max l`` (the ``ratio`` rule's score; 0 for the argmax);
+    * ``norm_entropy``: the entropy of ``softmax(l)`` over ``log V``, in [0, 1] (R-Stitch's score);
+    * ``log_rank``: ``log(1 + #{v: l(v) > l(x)})`` (0 for the argmax);
+    * ``top2_margin``: ``max lp - second largest lp``.
+
+    Log-probabilities are floored at -100 (a token with probability 0, e.g. masked by a grammar).
+
+    Args:
+        logits: float ``[n, V]``, the LLM's raw logits at n positions.
+        tokens: int ``[n]`` (tensor or list): the token judged at each position.
+    Returns:
+        float32 ``[n, 6]``.
+    """
+    lg = logits.float()
+    idx = torch.as_tensor(tokens, dtype=torch.long).view(-1, 1)
+    lp = torch.log_softmax(lg, dim=-1)
+    lpx = lp.gather(1, idx).view(-1).clamp_min(_LOGP_FLOOR)
+    top2 = torch.topk(lp, 2, dim=-1).values.clamp_min(_LOGP_FLOOR)
+    ent = torch.special.entr(lp.exp()).sum(-1) / math.log(lg.shape[-1])
+    rank = (lg > lg.gather(1, idx)).sum(-1).float()
+    return torch.stack([lpx, top2[:, 0], lpx - top2[:, 0], ent, torch.log1p(rank), top2[:, 0] - top2[:, 1]], dim=-1)

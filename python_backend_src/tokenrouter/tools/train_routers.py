@@ -1,7 +1,8 @@
-"""Train the learned routers (CITER, R2R, Co-LLM) for an SLM/LLM pair on the CPU.
+"""Train the learned routers (CITER, R2R, Co-LLM, draft-verify's) for an SLM/LLM pair on the CPU.
 
     python -m tokenrouter.tools.train_routers                      # the demo pair -> tokenrouter/routers/
     python -m tokenrouter.tools.train_routers --r2r-width 1024     # R2R's published 6×1024 router
+    python -m tokenrouter.tools.train_routers --kinds dv           # draft-verify's router only
 
 Data (R2R-style labelling, one forward pass per model, teacher-forced):
 
@@ -28,6 +29,13 @@ continuation); CITER confidence ``1 − critical`` (the SLM's token is
 acceptable, CITER's long-term view); Co-LLM (its weak-supervision
 initialisation) defer target ``diff``.
 
+Draft-verify's router (kind ``dv``, rule ``router`` of :mod:`~tokenrouter.algorithms.draft_verify`)
+judges a drafted token from the **LLM's** distribution at its position: its input is
+:func:`~tokenrouter.algorithms.learned.dv_features` of the LLM's teacher-forced logits at each
+trajectory position, evaluated at the labelling SLM's greedy token (the draft it would make),
+its target ``critical``.  It is trained on the ``diff`` positions only: where the draft is the
+LLM's own argmax the rule keeps it without asking the router (and the label is 0 there).
+
 The demo pair serves the **same** SmolLM2-135M weights in both roles, so the
 served SLM never differs from the LLM and every label would be 0.  For that
 case (``--label-slm auto`` with SLM == LLM) the labelling SLM is a
@@ -39,11 +47,14 @@ own features.  With a real pair (different checkpoints) the served SLM labels
 itself (``--label-slm served``).
 
 Training: Adam, BCE, 80/20 split by prompt, best epoch by validation loss.
+``--kinds`` picks the routers to train (default all four).
 R2R uses a positive-class weight (rare critical tokens) and stores the
 threshold reaching ``--r2r-recall`` (0.95) recall on the validation split;
-CITER and Co-LLM are trained unweighted so their sigmoid outputs are
-probabilities that the fixed thresholds (τ = 0.98, η = 0.15) can be compared
-with.  Files are float16 (:mod:`tokenrouter.algorithms.learned`).
+CITER, Co-LLM and dv are trained unweighted so their sigmoid outputs are
+probabilities that the fixed thresholds (τ = 0.98, η = 0.15, dv's alpha) can be
+compared with.  dv's validation metrics set its AUC beside those of the ``ratio``
+and ``prob`` rules' scores on the same positions, and the share of drafts kept and of
+critical drafts rejected at several alpha.  Files are float16 (:mod:`tokenrouter.algorithms.learned`).
 """
 
 from __future__ import annotations
@@ -62,7 +73,7 @@ cpu.install()
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from ..algorithms.learned import ROUTERS_DIR, build_router, save_router  # noqa: E402
+from ..algorithms.learned import DV_FEATURES, ROUTERS_DIR, build_router, dv_features, save_router  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -177,12 +188,13 @@ def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: i
         the SLM's greedy token), ``top`` float32 [N, 100] (top-100 SLM logits),
         ``diff`` float32 [N] (labels), ``critical`` float32 [N] (``diff`` whose
         rollout does not re-join; equals ``diff`` when ``rollout_tokens`` is 0),
-        ``prompt`` int64 [N] (prompt index).
+        ``prompt`` int64 [N] (prompt index), ``dv`` float32 [N, 6] (:func:`dv_features` of the
+        LLM's logits at the labelling SLM's greedy token).
     """
     emb_w = slm.get_input_embeddings().weight
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
-    H, E, T, D, P, C = [], [], [], [], [], []
+    H, E, T, D, P, C, F = [], [], [], [], [], [], []
     encoded = []
     for p in prompts:
         ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
@@ -223,6 +235,7 @@ def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: i
             T.append(torch.topk(lg_s, 100, dim=-1).values)
             q_tok = lg_q_all[r, pos].argmax(-1)
             d = (q_tok != lg_l_all[r, pos].argmax(-1)).float()
+            F.append(dv_features(lg_l_all[r, pos], q_tok))
             D.append(d)
             P.append(torch.full((g,), b0 + r, dtype=torch.int64))
             C.append(d.clone())
@@ -248,7 +261,7 @@ def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: i
         print(f"  labelled {min(b0 + batch, len(encoded))}/{len(encoded)} prompts "
               f"({n_d} divergences, {n_c} critical)", flush=True)
     return {"hidden": torch.cat(H), "emb": torch.cat(E), "top": torch.cat(T), "diff": torch.cat(D),
-            "critical": torch.cat(C), "prompt": torch.cat(P)}
+            "critical": torch.cat(C), "prompt": torch.cat(P), "dv": torch.cat(F)}
 
 
 def auc(score: torch.Tensor, y: torch.Tensor) -> float:
@@ -322,6 +335,35 @@ def thresholds_at_shares(pv: torch.Tensor, defer_below: bool) -> Dict[str, float
     return {str(r): float(torch.quantile(pv, r if defer_below else 1 - r)) for r in SHARES}
 
 
+#: the routers this tool trains
+KINDS = ("r2r", "citer", "colm", "dv")
+#: alphas at which dv's validation metrics report the drafts kept and the critical drafts rejected
+DV_ALPHAS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+def dv_metrics(pv: torch.Tensor, yv: torch.Tensor, xv: torch.Tensor) -> Dict[str, object]:
+    """Draft-verify router's validation figures on the divergence positions.
+
+    Args:
+        pv: float32 [N], the router's P(critical); yv: float32 [N], the labels (critical);
+        xv: float32 [N, 6], the features (:data:`DV_FEATURES`).
+    Returns:
+        ``val_auc_ratio_score`` / ``val_auc_prob_score``: the AUC of ``-logp_gap`` and ``-logp`` (the
+        ``ratio`` and ``prob`` rules' scores, lower = reject first) for the same labels;
+        ``kept_at_alpha`` / ``critical_rejected_at_alpha``: per alpha of :data:`DV_ALPHAS`, the share
+        of these drafts the rule keeps (1 - P(critical) >= alpha) and the share of the critical ones
+        it rejects.
+    """
+    cols = {name: i for i, name in enumerate(DV_FEATURES)}
+    keep = {str(al): (1 - pv) >= al for al in DV_ALPHAS}
+    crit = yv > 0.5
+    return {"val_auc_ratio_score": auc(-xv[:, cols["logp_gap"]], yv),
+            "val_auc_prob_score": auc(-xv[:, cols["logp"]], yv),
+            "kept_at_alpha": {k: float(v.float().mean()) for k, v in keep.items()},
+            "critical_rejected_at_alpha": {k: float((~v[crit]).float().mean()) if crit.any() else float("nan")
+                                           for k, v in keep.items()}}
+
+
 def main(argv=None) -> int:
     """Command line entry point (see module docstring); returns the exit status."""
     wdir = os.environ.get("TOKENROUTER_WEIGHTS") or os.path.expanduser("~/.cache/tokenrouter/weights")
@@ -352,10 +394,22 @@ def main(argv=None) -> int:
     ap.add_argument("--r2r-recall", type=float, default=0.95, help="recall the stored R2R threshold reaches")
     ap.add_argument("--citer-width", type=int, default=256)
     ap.add_argument("--citer-depth", type=int, default=2)
+    ap.add_argument("--dv-width", type=int, default=32, help="draft-verify router MLP width")
+    ap.add_argument("--dv-depth", type=int, default=2, help="draft-verify router MLP depth")
+    ap.add_argument("--dv-epochs", type=int, default=300,
+                    help="draft-verify router epochs (its training set is the divergences only: few batches each)")
+    ap.add_argument("--data", default=None,
+                    help="labelled data file: loaded when it exists (the labelling passes are skipped), else "
+                    "written after them (to fit again with other settings)")
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"comma-separated routers to train, of {','.join(KINDS)} (default: all)")
     ap.add_argument("--epochs", type=int, default=40)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     a = ap.parse_args(argv)
+    kinds = [k for k in a.kinds.split(",") if k]
+    if not kinds or any(k not in KINDS for k in kinds):
+        ap.error(f"--kinds: a comma-separated list of {', '.join(KINDS)}, got {a.kinds!r}")
     if a.threads:
         torch.set_num_threads(a.threads)
     for attr in ("slm", "llm"):  # a name (deploy/prepare_weights.py's folders) or a path
@@ -385,8 +439,13 @@ def main(argv=None) -> int:
         prompts = prompts[: a.max_prompts]
     if a.rollout_tokens < 0 or a.rejoin_tokens < 1:
         ap.error("--rollout-tokens must be >= 0 and --rejoin-tokens >= 1")
-    data = collect(slm, llm, label_slm, tok, prompts, a.max_new_tokens, rollout_tokens=a.rollout_tokens,
-                   rejoin_tokens=a.rejoin_tokens)
+    if a.data and os.path.isfile(a.data):
+        data = torch.load(a.data, weights_only=True)
+    else:
+        data = collect(slm, llm, label_slm, tok, prompts, a.max_new_tokens, rollout_tokens=a.rollout_tokens,
+                       rejoin_tokens=a.rejoin_tokens)
+        if a.data:
+            torch.save(data, a.data)
     t_data = time.time() - t0
     n = len(data["diff"])
     print(f"labelled {n} positions from {len(prompts)} prompts in {t_data:.0f}s; "
@@ -411,40 +470,59 @@ def main(argv=None) -> int:
                                                                                 else sys.argv[1:])}
     summary = {}
 
-    # R2R: [h, e, top-100] -> critical
-    arch = {"in_dim": 2 * H + 100, "width": a.r2r_width, "depth": a.r2r_depth, "hidden_size": H, "topk": 100}
-    x = torch.cat([data["hidden"], data["emb"], data["top"]], 1)
-    m, met, pv = train("r2r", arch, x, y_crit, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=True, seed=a.seed)
-    pos_scores = pv[y_crit[va] > 0.5].sort().values
-    k = int((1 - a.r2r_recall) * len(pos_scores))
-    thr = float(pos_scores[k]) if len(pos_scores) else 0.5
-    met.update({"threshold": thr, "recall_target": a.r2r_recall,
-                "val_recall": float((pos_scores >= thr).float().mean()) if len(pos_scores) else float("nan"),
-                "val_routed_rate": float((pv >= thr).float().mean()),
-                "threshold_at_share": thresholds_at_shares(pv, defer_below=False)})
-    f = os.path.join(a.out, f"r2r_{a.name}.pt")
-    save_router(f, "r2r", arch, m, thr, {**meta_common, "target": "critical", "metrics": met})
-    summary["r2r"] = (f, met)
+    if "r2r" in kinds:  # R2R: [h, e, top-100] -> critical
+        arch = {"in_dim": 2 * H + 100, "width": a.r2r_width, "depth": a.r2r_depth, "hidden_size": H, "topk": 100}
+        x = torch.cat([data["hidden"], data["emb"], data["top"]], 1)
+        m, met, pv = train("r2r", arch, x, y_crit, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=True, seed=a.seed)
+        pos_scores = pv[y_crit[va] > 0.5].sort().values
+        k = int((1 - a.r2r_recall) * len(pos_scores))
+        thr = float(pos_scores[k]) if len(pos_scores) else 0.5
+        met.update({"threshold": thr, "recall_target": a.r2r_recall,
+                    "val_recall": float((pos_scores >= thr).float().mean()) if len(pos_scores) else float("nan"),
+                    "val_routed_rate": float((pv >= thr).float().mean()),
+                    "threshold_at_share": thresholds_at_shares(pv, defer_below=False)})
+        f = os.path.join(a.out, f"r2r_{a.name}.pt")
+        save_router(f, "r2r", arch, m, thr, {**meta_common, "target": "critical", "metrics": met})
+        summary["r2r"] = (f, met)
 
-    # CITER: h -> acceptable (1 - diff)
-    arch = {"in_dim": H, "width": a.citer_width, "depth": a.citer_depth, "hidden_size": H}
-    m, met, pv = train("citer", arch, data["hidden"], 1 - y_crit, tr, va, epochs=a.epochs, lr=1e-3, pos_weight=False,
-                       seed=a.seed)
-    met.update({f"val_routed_rate_tau_{t}": float((pv < t).float().mean()) for t in (0.98, 0.9, 0.8)})
-    met["tau_at_share"] = thresholds_at_shares(pv, defer_below=True)
-    f = os.path.join(a.out, f"citer_{a.name}.pt")
-    save_router(f, "citer", arch, m, None, {**meta_common, "target": "1 - critical", "metrics": met})
-    summary["citer"] = (f, met)
+    if "citer" in kinds:  # CITER: h -> acceptable (1 - critical)
+        arch = {"in_dim": H, "width": a.citer_width, "depth": a.citer_depth, "hidden_size": H}
+        m, met, pv = train("citer", arch, data["hidden"], 1 - y_crit, tr, va, epochs=a.epochs, lr=1e-3,
+                           pos_weight=False, seed=a.seed)
+        met.update({f"val_routed_rate_tau_{t}": float((pv < t).float().mean()) for t in (0.98, 0.9, 0.8)})
+        met["tau_at_share"] = thresholds_at_shares(pv, defer_below=True)
+        f = os.path.join(a.out, f"citer_{a.name}.pt")
+        save_router(f, "citer", arch, m, None, {**meta_common, "target": "1 - critical", "metrics": met})
+        summary["citer"] = (f, met)
 
-    # Co-LLM: h -> defer (diff), linear head
-    arch = {"in_dim": H, "hidden_size": H}
-    m, met, pv = train("colm", arch, data["hidden"], y, tr, va, epochs=a.epochs, lr=3e-3, pos_weight=False,
-                       seed=a.seed)
-    met.update({f"val_routed_rate_eta_{t}": float((pv > t).float().mean()) for t in (0.15, 0.3, 0.5)})
-    met["eta_at_share"] = thresholds_at_shares(pv, defer_below=False)
-    f = os.path.join(a.out, f"colm_{a.name}.pt")
-    save_router(f, "colm", arch, m, None, {**meta_common, "target": "diff", "metrics": met})
-    summary["colm"] = (f, met)
+    if "colm" in kinds:  # Co-LLM: h -> defer (diff), linear head
+        arch = {"in_dim": H, "hidden_size": H}
+        m, met, pv = train("colm", arch, data["hidden"], y, tr, va, epochs=a.epochs, lr=3e-3, pos_weight=False,
+                           seed=a.seed)
+        met.update({f"val_routed_rate_eta_{t}": float((pv > t).float().mean()) for t in (0.15, 0.3, 0.5)})
+        met["eta_at_share"] = thresholds_at_shares(pv, defer_below=False)
+        f = os.path.join(a.out, f"colm_{a.name}.pt")
+        save_router(f, "colm", arch, m, None, {**meta_common, "target": "diff", "metrics": met})
+        summary["colm"] = (f, met)
+
+    if "dv" in kinds:  # draft-verify: the LLM's view of the labelling SLM's token -> critical, at divergences
+        at = y > 0.5
+        if int(at.sum()) < 2 or not bool(at[va].any()) or not bool(at[tr].any()):
+            ap.error("dv: too few divergences to train on (use more prompts or tokens)")
+        sub = at.nonzero().view(-1)
+        pos_in_sub = torch.full((n,), -1, dtype=torch.int64)
+        pos_in_sub[sub] = torch.arange(len(sub))
+        tr_d, va_d = pos_in_sub[tr[at[tr]]], pos_in_sub[va[at[va]]]
+        arch = {"in_dim": len(DV_FEATURES), "width": a.dv_width, "depth": a.dv_depth}
+        x, yd = data["dv"][sub], y_crit[sub]
+        m, met, pv = train("dv", arch, x, yd, tr_d, va_d, epochs=a.dv_epochs, lr=3e-3, pos_weight=False,
+                           seed=a.seed)
+        met.update(dv_metrics(pv, yd[va_d], x[va_d]))
+        f = os.path.join(a.out, f"dv_{a.name}.pt")
+        save_router(f, "dv", arch, m, None, {**meta_common, "target": "critical", "features": list(DV_FEATURES),
+                                             "trained_on": "diff positions (label SLM token != LLM argmax)",
+                                             "metrics": met})
+        summary["dv"] = (f, met)
 
     for kind, (f, met) in summary.items():
         print(f"{kind}: {f} ({os.path.getsize(f) / 1e6:.2f} MB) " +
