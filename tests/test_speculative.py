@@ -147,16 +147,25 @@ def test_draft_verify_rules_on_hand_made_logits():
 def test_draft_verify_ratio_at_alpha_one_is_exact_speculation():
     """ratio, alpha = 1, greedy: the tokens of speculative decoding's greedy verification, less its
     bonus token when every draft is accepted (random logits; drafts often equal to the argmax)."""
-    g = torch.Generator().manual_seed(1)
     algo, res = _dv({"temperature": 0}, rule="ratio", alpha=1.0)
+    _check_exact_speculation(algo, res, seed=1, p_argmax=0.8)
+
+
+def _check_exact_speculation(algo, res, seed: int, p_argmax: float, also=None) -> None:
+    """300 rounds of random logits ``[k + 1, 12]`` and drafts (each the argmax with probability
+    ``p_argmax``): ``algo`` verifies as speculative decoding's greedy verification, less its bonus
+    token when every draft is accepted; ``also(logits, drafts)`` runs extra checks per round."""
+    g = torch.Generator().manual_seed(seed)
     spec, sres = _verifier({"temperature": 0})
     full = 0
     for _ in range(300):
         k = int(torch.randint(1, 6, (1,), generator=g))
         logits = torch.randn(k + 1, 12, generator=g) * 3
         best = logits.argmax(-1)
-        drafts = [int(best[j]) if torch.rand(1, generator=g) < 0.8 else int(torch.randint(0, 12, (1,), generator=g))
-                  for j in range(k)]
+        drafts = [int(best[j]) if torch.rand(1, generator=g) < p_argmax
+                  else int(torch.randint(0, 12, (1,), generator=g)) for j in range(k)]
+        if also is not None:
+            also(logits, drafts)
         v, want = algo.verify(res, logits, drafts), spec.verify(sres, logits, drafts)
         if v.accepted == k:
             full += 1
@@ -364,24 +373,13 @@ def test_draft_verify_router_rule_and_its_alpha_ends():
     assert algo.verified == {"drafted": 3, "accepted": 1}
     algo, res = _dv_router(greedy, 0.96)
     assert algo.verify(res, logits, [0, 1, 0]) == Verdict([0, 0], 1)
-    g = torch.Generator().manual_seed(2)
-    spec, sres = _verifier(greedy)
-    ends = {0.0: _dv_router(greedy, 0.0), 1.0: _dv_router(greedy, 1.0)}
-    full = 0
-    for _ in range(300):
-        k = int(torch.randint(1, 6, (1,), generator=g))
-        lg = torch.randn(k + 1, 12, generator=g) * 3
-        best = lg.argmax(-1)
-        drafts = [int(best[j]) if torch.rand(1, generator=g) < 0.7 else int(torch.randint(0, 12, (1,), generator=g))
-                  for j in range(k)]
-        assert ends[0.0][0].verify(ends[0.0][1], lg, drafts) == Verdict(drafts, k)
-        v, want = ends[1.0][0].verify(ends[1.0][1], lg, drafts), spec.verify(sres, lg, drafts)
-        if v.accepted == k:
-            full += 1
-            assert v.tokens == want[:-1] == drafts
-        else:
-            assert v.tokens == want and v.accepted == len(want) - 1
-    assert 0 < full < 300
+    zero, zres = _dv_router(greedy, 0.0)
+
+    def alpha_zero_keeps_every_draft(lg, drafts):
+        assert zero.verify(zres, lg, drafts) == Verdict(drafts, len(drafts))
+
+    one, ores = _dv_router(greedy, 1.0)
+    _check_exact_speculation(one, ores, seed=2, p_argmax=0.7, also=alpha_zero_keeps_every_draft)
 
 
 def test_draft_verify_router_rule_with_the_shipped_router():
