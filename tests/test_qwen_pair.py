@@ -106,9 +106,9 @@ def test_top_logprobs_of_a_routed_answer_are_each_writer_s(qwen_server):
     from tokenrouter.routing.router_core import encode_prompt
     from tr_client import assert_from_writers, generate, own_runs, token_logprobs, top_n
 
-    out = generate(qwen_server, PROMPT, {"max_tokens": 12, "temperature": 0, "logprobs": 5}, chat=True)
+    out = generate(qwen_server, PROMPT, {"max_tokens": 12, "temperature": 0, "seed": 7, "logprobs": 5}, chat=True)
     assert out["_status"] == 200, out
-    plain = generate(qwen_server, PROMPT, {"max_tokens": 12, "temperature": 0}, chat=True)
+    plain = generate(qwen_server, PROMPT, {"max_tokens": 12, "temperature": 0, "seed": 7}, chat=True)
     assert plain["routing_trace"]["token_ids"] == out["routing_trace"]["token_ids"]
     trace = out["routing_trace"]["trace"]
     assert 0 in trace and 1 in trace, out["routing_summary"]

@@ -114,6 +114,8 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
                                 "seed": rng.randint(0, 2**31), "ignore_eos": rng.random() < 0.5}
     if thresholds:
         sampling["routing_threshold"] = rng.choice(list(thresholds))
+    if kind in ("cancel", "disconnect"):  # long enough to be left mid-way (after 1-6 chunks)
+        sampling["max_tokens"], sampling["ignore_eos"] = max(sampling["max_tokens"], 16), True
     stream = kind != "plain"
     text = prompt.encode()
     if kind == "bad":
@@ -237,7 +239,9 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         models: LLM models whose KV must return to zero.
         cancel_fraction, bad_fraction, plain_fraction, disconnect_fraction: shares of cancelled
             streams, malformed requests, non-streamed requests and streams whose client closes
-            its connection mid-way without cancelling.
+            its connection mid-way without cancelling. Each kind with a share (and ``hostile``)
+            is sent at least once: client ``i``'s first request is the ``i``-th such kind when
+            ``i`` is below their number, so ``concurrency`` should be at least that number.
         max_tokens: (low, high) of the uniformly drawn ``max_tokens`` of a valid request.
         long_fraction: share of prompts of 2-30 paragraphs (~120-1,800 tokens) instead of one line.
         thresholds: routing thresholds drawn per request (``routing_threshold``);
@@ -291,12 +295,17 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     records: List[Dict[str, Any]] = []
     lock = threading.Lock()
 
+    edges = [("bad", bad_fraction), ("cancel", cancel_fraction), ("disconnect", disconnect_fraction),
+             ("plain", plain_fraction)]
+    # every kind with a share is sent at least once however short the run: client i's first request is
+    # the i-th of them (a short soak of few requests would otherwise miss a kind of small share)
+    first_kinds = [k for k, share in edges if share > 0] + (["hostile"] if hostile_fraction > 0 else [])
+
     def client(i: int) -> None:
         rng = random.Random(seed * 1000 + i)
+        first = True
         while time.monotonic() < stop_at:
             x = rng.random()
-            edges = [("bad", bad_fraction), ("cancel", cancel_fraction), ("disconnect", disconnect_fraction),
-                     ("plain", plain_fraction)]
             kind = "stream"
             for k, share in edges:
                 if x < share:
@@ -305,6 +314,9 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                 x -= share
             if hostile_fraction and rng.random() < hostile_fraction:
                 kind = "hostile"
+            if first and i < len(first_kinds):
+                kind = first_kinds[i]
+            first = False
             r = _one(url, router, rng, kind, request_timeout_s, thresholds, hostile_mib, max_tokens, long_fraction)
             with lock:
                 records.append(r)
