@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 import torch
 
 __all__ = ["GuidedSpec", "GUIDED_KINDS", "GUIDED_KEYS", "parse_guided", "GrammarCompiler", "GrammarTimeout",
-           "RequestGrammar", "apply_bitmask", "allocate_bitmask", "grammar_of"]
+           "RequestGrammar", "allows_any", "apply_bitmask", "allocate_bitmask", "grammar_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -379,6 +379,22 @@ def _xgrammar_reason(e: BaseException) -> str:
 def allocate_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
     """An int32 ``[rows, ceil(vocab_size / 32)]`` token bitmask (bit set: token allowed), all set."""
     return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+def allows_any(bitmask: torch.Tensor, row: int, vocab_size: int) -> bool:
+    """Whether ``bitmask[row]`` allows any token id below ``vocab_size`` (a look at
+    ``ceil(vocab_size / 32)`` int32 words, not at the logits).
+
+    Args:
+        bitmask: int32 ``[rows, >= ceil(vocab_size / 32)]`` (bit set: token allowed).
+        row: the row to read.
+        vocab_size: rows of the model's logits (bits at and past it are ignored).
+    """
+    full, rest = divmod(int(vocab_size), 32)
+    words = bitmask[row]
+    if full and bool(words[:full].any()):
+        return True
+    return bool(rest) and bool(int(words[full]) & ((1 << rest) - 1))
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
