@@ -8,16 +8,19 @@ over a real tokenizer's vocabulary (default Qwen2.5-Coder's, V = 151,936) and sy
 * ``sample``: :meth:`OutputProcessorMixin._sample` (mask, log-softmax, sampling, entropy,
   logprobs) of a step of B rows of which 0, 1 or all are guided (greedy; ``--logprobs N``: every
   row also asks for N top logprobs); ``overhead`` is its median against the same B with no
-  guided row.  Each guided row's matcher sits inside a JSON string (most tokens allowed).
+  guided row.  A guided row's matcher sits inside a JSON string (``state=string``: most tokens
+  allowed) or right after the object's ``{`` (``state=key``: a handful allowed, the rest -inf).
 * ``mask``: :meth:`ConstrainedDecoding.mask` alone (bitmask fill, apply, check) for those steps.
 * ``sync``: a step's matcher advance of one guided row (:meth:`ConstrainedDecoding.sync` after
-  one committed token; half the calls accept a token, half roll one back) at output length L.
+  one committed token) at output length L.
 * ``attach``: a guided request's first visit to a model (:meth:`ConstrainedDecoding.attach`: a
   new matcher replays the L output tokens it arrived with), once per model and request.
 * ``verify``: :meth:`ConstrainedDecoding.mask_positions` for a verification of k drafts.
 
 Each figure is the median of ``--repeats`` timed calls (after ``--warmup``), in milliseconds;
-the logits are refreshed outside the timed call (a step's logits are new every step).
+the logits are refreshed outside the timed call (a step's logits are new every step).  The step
+configurations of one B are timed in turn, repeat after repeat, so that a load that drifts (a
+shared host) weighs on each alike.
 
     source deploy/env.sh
     python perf/guided_step.py                                  # Qwen2.5's vocabulary, B = 1, 8, 32
@@ -40,6 +43,8 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"
           "required": ["name", "age"]}
 #: output text of a guided row: a JSON object cut inside its first string (the matcher's state there)
 STRING_PREFIX = '{"name": "'
+#: ... or cut right after its opening brace (only the first key's quote may follow)
+KEY_PREFIX = "{"
 WORDS = "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut labore "
 
 
@@ -104,16 +109,17 @@ def main(argv=None) -> int:
           f"torch threads {a.threads}", file=sys.stderr)
 
     prompt = tok.encode("Describe a person as JSON.")
-    body = tok.encode(WORDS * (1 + max(lengths) // 8))
+    body = tok.encode(WORDS * (1 + (max(lengths) + a.warmup + a.repeats) // 8))
     head = tok.encode(STRING_PREFIX)
+    brace = tok.encode(KEY_PREFIX)
     gsampling = {"temperature": 0.0, "guided": spec.wire()}
     psampling = {"temperature": 0.0}
     if a.logprobs is not None:
         gsampling["logprobs"] = psampling["logprobs"] = a.logprobs
 
-    def request(i: int, guided: bool, out_len: int = 24):
-        out = (head + body)[:out_len]
-        lr = SimpleNamespace(rid=f"r{i}", verify=[], drafts=0, seq=SimpleNamespace(tokens=list(prompt) + out),
+    def request(rid: str, guided: bool, out_len: int = 24, state: str = "string"):
+        out = (head + body)[:out_len] if state == "string" else list(brace)
+        lr = SimpleNamespace(rid=rid, verify=[], drafts=0, seq=SimpleNamespace(tokens=list(prompt) + out),
                              header=SimpleNamespace(sampling=gsampling if guided else psampling,
                                                     num_generated=len(out), stop_token_ids=[]))
         if guided:
@@ -136,41 +142,48 @@ def main(argv=None) -> int:
 
     for b in bs:
         template = torch.randn(b, vocab, generator=gen) * 3.0
-        base = None
-        for g in sorted({0, 1, b}):
-            cd.grammars.clear()
-            batch = [request(i, i < g) for i in range(b)]
-            out = SimpleNamespace(logits=template.clone())
-
-            def refresh(out=out):
-                out.logits.copy_(template)
-
-            t_sample = _median_ms(lambda: host._sample(batch, out), a.repeats, a.warmup, refresh)
-            t_mask = _median_ms(lambda: cd.mask(batch, out.logits, {}), a.repeats, a.warmup, refresh)
-            base = t_sample if g == 0 else base
-            emit({"what": "step", "B": b, "guided": g, "sample_ms": round(t_sample, 3),
+        configs = [(0, "-")] + [(g, st) for st in ("string", "key") for g in sorted({1, b})]
+        cd.grammars.clear()
+        batches = {(g, st): [request(f"b{b}g{g}{st}r{i}", i < g, state=st) for i in range(b)] for g, st in configs}
+        outs = {g: SimpleNamespace(logits=template.clone()) for g in configs}
+        times: Dict[str, Dict[int, List[float]]] = {"sample": {g: [] for g in configs},
+                                                    "mask": {g: [] for g in configs}}
+        # the configurations in turn, repeat after repeat: a load that drifts weighs on all alike
+        for rep in range(a.warmup + a.repeats):
+            for what in ("sample", "mask"):
+                for g in configs:
+                    batch, out = batches[g], outs[g]
+                    out.logits.copy_(template)  # a step's logits are new every step
+                    t0 = time.perf_counter()
+                    if what == "sample":
+                        host._sample(batch, out)
+                    else:
+                        cd.mask(batch, out.logits, {})
+                    if rep >= a.warmup:
+                        times[what][g].append(time.perf_counter() - t0)
+        for g in configs:
+            t_sample = 1000.0 * statistics.median(times["sample"][g])
+            t_mask = 1000.0 * statistics.median(times["mask"][g])
+            base = 1000.0 * statistics.median(times["sample"][configs[0]])
+            emit({"what": "step", "B": b, "guided": g[0], "state": g[1], "sample_ms": round(t_sample, 3),
                   "overhead_ms": round(t_sample - base, 3), "mask_ms": round(t_mask, 3)})
 
     cd.grammars.clear()
     for n in lengths:
-        lr = request(0, True, n)
+        lr = request("sync", True, n)
         toks = lr.seq.tokens
-        nxt = (head + body)[n]
-        state = {"grown": False}
+        more = iter((head + body)[n:])
 
-        def step(lr=lr, toks=toks, nxt=nxt, state=state):  # one committed token, or its rollback
-            if state["grown"]:
-                toks.pop()
-            else:
-                toks.append(nxt)
-            state["grown"] = not state["grown"]
+        def step(lr=lr, toks=toks, more=more):  # a step's commit: one more output token
+            toks.append(next(more))
+            lr.header.num_generated += 1
             cd.sync(lr)
 
         t_sync = _median_ms(step, a.repeats, a.warmup)
 
         def fresh(n=n):
             cd.grammars.clear()
-            return request(1, False, n)
+            return request("attach", False, n)
 
         holder = {}
 
@@ -182,7 +195,7 @@ def main(argv=None) -> int:
         emit({"what": "matcher", "L": n, "sync_ms": round(t_sync, 4), "attach_ms": round(t_attach, 3)})
 
     cd.grammars.clear()
-    lr = request(0, True, 24)
+    lr = request("verify", True, 24)
     drafts = (head + body)[24:24 + a.drafts]
     pos = torch.randn(a.drafts + 1, vocab, generator=gen)
     work = pos.clone()

@@ -167,6 +167,21 @@ def test_request_grammar_follows_rollbacks_and_masks_drafts(compiler):
     bad = [paris[0], london[0]] if paris[0] != london[0] else [london[0], london[0]]
     assert g.fill_after(bad, allocate_bitmask(3, len(tok))) == 2
 
+    # as the subserver syncs: the output read in place from the sequence, its last `tentative`
+    # tokens (own drafts) rolled back and replaced, the settled ones kept
+    seq = [7] * 5 + london
+    h = RequestGrammar(cg, start=5)
+    h.sync(seq, 5, tentative=1)
+    assert h.accepted == london and h.settled == len(london) - 1
+    seq[-1:] = [tok.eos_token_id]  # a rejected draft replaced by the verifier's token
+    with pytest.raises(ValueError, match=f"output token {len(london) - 1} "):
+        h.sync(seq, 5, tentative=0)
+    assert h.accepted == london[:-1] and h.settled == 0
+    h.sync(seq[:-1] + london[-1:] + [tok.eos_token_id], 5, tentative=0)
+    assert h.terminated and h.settled == len(london) + 1
+    h.sync(seq[:5] + paris, 5, tentative=0)  # settled tokens replaced after all: compared in full
+    assert h.accepted == paris and not h.terminated
+
 
 def test_a_step_masks_its_guided_rows_in_place_and_leaves_the_others_untouched():
     """A step's sampling (engine/output_processor.py, engine/constrained.py): the guided rows'
@@ -176,7 +191,7 @@ def test_a_step_masks_its_guided_rows_in_place_and_leaves_the_others_untouched()
     logprobs reports the raw distribution's (docs/api.md)."""
     from tokenrouter.engine.constrained import ConstrainedDecoding
     from tokenrouter.engine.detok import load_tokenizer
-    from tokenrouter.engine.grammar import GuidedSpec, allocate_bitmask, allows_any
+    from tokenrouter.engine.grammar import allocate_bitmask, allows_any, apply_bitmask
     from tokenrouter.engine.output_processor import OutputProcessorMixin
     from tokenrouter.engine.sampling import BatchSampler
 
@@ -227,6 +242,23 @@ def test_a_step_masks_its_guided_rows_in_place_and_leaves_the_others_untouched()
     assert cd.mask_positions(batch[3], d, pos) == 2
     assert torch.isfinite(pos[0]).nonzero().view(-1).tolist() == allowed
     assert cd.mask_positions(batch[0], d, pos) == 0  # not guided: nothing
+
+    # apply_bitmask's two ways (few allowed words: fill and put back; many: xgrammar's kernel) give
+    # the bitmask's definition exactly, on the rows named only
+    g = torch.Generator().manual_seed(2)
+    v = 1000  # not a multiple of 32: the last word's high bits are past the vocabulary
+    bm = torch.randint(-2**31, 2**31 - 1, (4, 32), dtype=torch.int32, generator=g)  # dense
+    bm[1].zero_()
+    bm[1, 3] = -2**31 | 5  # tokens 96, 98, 127
+    bm[1, 31] = -1  # tokens 992-999 (and bits past 999)
+    x = torch.randn(4, v, generator=g)
+    y = x.clone()
+    apply_bitmask(y, bm, [0, 1, 3])
+    bits = ((bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(4, -1)[:, :v].bool()
+    for r in (0, 1, 3):
+        assert torch.equal(y[r], torch.where(bits[r], x[r], float("-inf"))), r
+    assert torch.equal(y[2], x[2])
+    assert torch.isfinite(y[1]).nonzero().view(-1).tolist() == [96, 98, 127] + list(range(992, 1000))
 
     # "allows no token" reads the bitmask's bits below the vocabulary only
     bm = allocate_bitmask(1, 40).zero_()

@@ -103,8 +103,10 @@ class ConstrainedDecoding:
         g = self.grammars.get(lr.rid)
         if g is None:
             return
-        end = len(lr.seq.tokens) - len(lr.verify)
-        g.sync(lr.seq.tokens[g.start:end])
+        # the output less a peer's drafts waiting for verification; of it, only this model's own
+        # unconfirmed drafts may leave the sequence (a resume rolls back the rejected ones), so the
+        # matcher compares only the tokens after its settled ones (O(new tokens + drafts))
+        g.sync(lr.seq.tokens, g.start, len(lr.seq.tokens) - len(lr.verify), tentative=lr.drafts)
 
     def complete(self, lr) -> bool:
         """The request's committed output is a complete match (its grammar accepted a stop token
