@@ -9,9 +9,10 @@ On one server (started here for ``--pair`` with ``token_router`` set to ``--algo
   ranges, patterns), round robin, ``--concurrency`` at a time, through Triton's HTTP generate
   with ``guided_decoding.json``; each output is parsed and validated (``jsonschema``);
 * **cost**: output tokens/s of the same prompts at ``--concurrency`` with the schema and without,
-  ``--repeats`` pairs; each unconstrained request writes as many tokens as its prompt's first
-  constrained one (``ignore_eos``), so that short JSON answers are not compared with long free
-  ones (prefill and handoffs weigh more per token in a short answer); the ratio is the
+  ``--repeats`` pairs after a constrained warm-up run (not counted: it fills the prefix cache),
+  the order alternating pair by pair; each unconstrained request writes as many tokens as its
+  prompt's constrained one (``ignore_eos``), so that short JSON answers are not compared with
+  long free ones (prefill and handoffs weigh more per token in a short answer); the ratio is the
   constrained runs' tokens/s over the unconstrained runs';
 * **equality**: greedy output under a grammar that allows everything (``root ::= [^]*``)
   against unconstrained greedy output, token for token, for ``--equal-prompts`` prompts, both
@@ -167,39 +168,51 @@ def validity(http: str, a) -> Dict[str, Any]:
 
 
 def cost(http: str, a) -> Dict[str, Any]:
-    """Output tokens/s with and without the schema, alternating, on the same prompts and with the
-    same output lengths: each unconstrained request writes as many tokens as its prompt's first
-    constrained run (``max_tokens`` = that, ``ignore_eos``), so that prefills and handoffs weigh
-    the same in both."""
+    """Output tokens/s with and without the schema on the same prompts and with the same output
+    lengths: each unconstrained request writes as many tokens as its prompt's constrained answer
+    (``max_tokens`` = that, ``ignore_eos``), so that prefills and handoffs weigh the same in both.
+
+    A constrained warm-up run (not counted) sets those lengths and puts every prompt in the
+    prefix cache; then ``--repeats`` pairs, the order alternating (guided first in even repeats,
+    plain first in odd ones), so that neither kind always runs first or on a colder cache.
+    ``guided_over_plain`` is the guided runs' tokens/s over the plain runs' (sums);
+    ``pair_ratios`` each pair's."""
     jobs = [(i, SCHEMAS[i % len(SCHEMAS)]) for i in range(a.cost_requests)]
     lengths: Dict[int, int] = {}
+
+    def run(guided: bool) -> Tuple[int, float]:
+        def one(job):
+            i, (topic, schema) = job
+            sp: Dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": 0}
+            if guided:
+                sp["guided_decoding"] = {"json": schema}
+            else:
+                sp.update(max_tokens=lengths.get(i) or a.max_tokens, ignore_eos=True)
+            out = _generate(http, _prompt(topic, schema, i // len(SCHEMAS)), sp)
+            n = len(out["routing_trace"]["trace"]) if out["_status"] == 200 else 0
+            if guided:
+                lengths.setdefault(i, n)
+            return n
+
+        t0 = time.monotonic()
+        with ThreadPoolExecutor(a.concurrency) as ex:
+            toks = sum(ex.map(one, jobs))
+        return toks, time.monotonic() - t0
+
+    toks, dt = run(True)
+    print(f"cost warm-up guided: {toks} tokens in {dt:.1f} s (not counted)", flush=True)
     runs = []
     for rep in range(a.repeats):
-        for guided in (True, False):  # the constrained run first: it sets the lengths
-            def one(job, guided=guided):
-                i, (topic, schema) = job
-                sp: Dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": 0}
-                if guided:
-                    sp["guided_decoding"] = {"json": schema}
-                else:
-                    sp.update(max_tokens=lengths.get(i) or a.max_tokens, ignore_eos=True)
-                out = _generate(http, _prompt(topic, schema, i // len(SCHEMAS)), sp)
-                n = len(out["routing_trace"]["trace"]) if out["_status"] == 200 else 0
-                if guided:
-                    lengths.setdefault(i, n)
-                return n
-
-            t0 = time.monotonic()
-            with ThreadPoolExecutor(a.concurrency) as ex:
-                toks = sum(ex.map(one, jobs))
-            dt = time.monotonic() - t0
+        for guided in ((True, False) if rep % 2 == 0 else (False, True)):
+            toks, dt = run(guided)
             runs.append({"repeat": rep, "guided": guided, "tokens": toks, "seconds": round(dt, 3),
                          "tokens_per_s": round(toks / dt, 3)})
             print(f"cost repeat {rep} {'guided' if guided else 'plain '}: {toks} tokens in {dt:.1f} s = "
                   f"{toks / dt:.2f} tok/s", flush=True)
     g = [r["tokens_per_s"] for r in runs if r["guided"]]
     p = [r["tokens_per_s"] for r in runs if not r["guided"]]
-    return {"runs": runs, "guided_over_plain": round(sum(g) / sum(p), 4) if sum(p) else None}
+    return {"runs": runs, "guided_over_plain": round(sum(g) / sum(p), 4) if sum(p) else None,
+            "pair_ratios": [round(x / y, 4) for x, y in zip(g, p) if y]}
 
 
 def equality(http: str, a) -> Dict[str, Any]:

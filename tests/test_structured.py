@@ -19,6 +19,7 @@ import json
 import os
 import re
 import time
+from types import SimpleNamespace
 
 import jsonschema
 import pytest
@@ -165,6 +166,107 @@ def test_request_grammar_follows_rollbacks_and_masks_drafts(compiler):
     # a draft the grammar does not allow: the masks stop after it
     bad = [paris[0], london[0]] if paris[0] != london[0] else [london[0], london[0]]
     assert g.fill_after(bad, allocate_bitmask(3, len(tok))) == 2
+
+    # as the subserver syncs: the output read in place from the sequence, its last `tentative`
+    # tokens (own drafts) rolled back and replaced, the settled ones kept
+    seq = [7] * 5 + london
+    h = RequestGrammar(cg, start=5)
+    h.sync(seq, 5, tentative=1)
+    assert h.accepted == london and h.settled == len(london) - 1
+    seq[-1:] = [tok.eos_token_id]  # a rejected draft replaced by the verifier's token
+    with pytest.raises(ValueError, match=f"output token {len(london) - 1} "):
+        h.sync(seq, 5, tentative=0)
+    assert h.accepted == london[:-1] and h.settled == 0
+    h.sync(seq[:-1] + london[-1:] + [tok.eos_token_id], 5, tentative=0)
+    assert h.terminated and h.settled == len(london) + 1
+    h.sync(seq[:5] + paris, 5, tentative=0)  # settled tokens replaced after all: compared in full
+    assert h.accepted == paris and not h.terminated
+
+
+def test_a_step_masks_its_guided_rows_in_place_and_leaves_the_others_untouched():
+    """A step's sampling (engine/output_processor.py, engine/constrained.py): the guided rows'
+    disallowed tokens go to -inf in the engine's own logits (no copy), their allowed ones and every
+    other row (plain, or verifying drafts) keep their values bit for bit; the token is drawn from
+    the masked row and its probability is the masked distribution's; a guided row that asks for
+    logprobs reports the raw distribution's (docs/api.md)."""
+    from tokenrouter.engine.constrained import ConstrainedDecoding
+    from tokenrouter.engine.detok import load_tokenizer
+    from tokenrouter.engine.grammar import allocate_bitmask, allows_any, apply_bitmask
+    from tokenrouter.engine.output_processor import OutputProcessorMixin
+    from tokenrouter.engine.sampling import BatchSampler
+
+    path = os.path.join(os.environ["TOKENROUTER_WEIGHTS"], "smollm2-135m-instruct")
+    tok = load_tokenizer(path)
+    vocab = len(tok)
+    cd = ConstrainedDecoding(path, vocab, max_rows=2)  # the bitmask grows to the step's 4 rows
+    choice = {"kind": "choice", "value": json.dumps(["Paris", "London"])}
+    # the tokens a choice of "Paris" or "London" allows first: those whose text starts either
+    allowed = [t for t in range(vocab) if (w := tok.decode([t])) and ("Paris".startswith(w) or "London".startswith(w))]
+
+    def req(rid, sampling, verify=()):
+        return SimpleNamespace(rid=rid, verify=list(verify), drafts=0, seq=SimpleNamespace(tokens=[1, 2, 3]),
+                               header=SimpleNamespace(sampling=sampling, num_generated=0, stop_token_ids=[]))
+
+    batch = [req("plain", {"temperature": 0, "logprobs": 2}),
+             req("guided-lp", {"temperature": 0, "guided": choice, "logprobs": 2}),
+             req("guided", {"temperature": 0.8, "seed": 1, "guided": choice}),
+             req("verifying", {"temperature": 0, "guided": choice})]
+    for lr in batch[1:]:
+        assert cd.attach(lr) is None
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(0)) * 4
+    raw = logits.clone()
+
+    class Host(OutputProcessorMixin):
+        constrained = cd
+        sampler = BatchSampler()
+
+    batch[3].verify = [5]  # its step verifies a draft: the row is left to mask_positions
+    s = Host()._sample(batch, SimpleNamespace(logits=logits))
+    assert s.logits is logits and not s.errors
+    for i in (0, 3):
+        assert torch.equal(logits[i], raw[i]), i
+    for i in (1, 2):
+        fin = torch.isfinite(logits[i]).nonzero().view(-1).tolist()
+        assert fin == allowed, i
+        assert torch.equal(logits[i, allowed], raw[i, allowed]) and s.tokens[i] in allowed
+        masked = torch.log_softmax(raw[i, allowed], -1)
+        assert abs(s.probs[i] - float(masked[allowed.index(s.tokens[i])].exp())) < 1e-5
+    assert s.tokens[0] == int(raw[0].argmax())
+    for i in (0, 1):  # logprobs: the raw distribution's, also under a grammar
+        assert torch.allclose(s.raw_logp[i], torch.log_softmax(raw[i], -1)), i
+    assert set(s.raw_logp) == {0, 1}
+
+    # a verification's drafted positions: masked in place by the state before each draft
+    pos = torch.randn(2, vocab, generator=torch.Generator().manual_seed(1))
+    d = tok.encode("Paris", add_special_tokens=False)[:1]
+    assert cd.mask_positions(batch[3], d, pos) == 2
+    assert torch.isfinite(pos[0]).nonzero().view(-1).tolist() == allowed
+    assert cd.mask_positions(batch[0], d, pos) == 0  # not guided: nothing
+
+    # apply_bitmask's two ways (few allowed words: fill and put back; many: xgrammar's kernel) give
+    # the bitmask's definition exactly, on the rows named only
+    g = torch.Generator().manual_seed(2)
+    v = 1000  # not a multiple of 32: the last word's high bits are past the vocabulary
+    bm = torch.randint(-2**31, 2**31 - 1, (4, 32), dtype=torch.int32, generator=g)  # dense
+    bm[1].zero_()
+    bm[1, 3] = -2**31 | 5  # tokens 96, 98, 127
+    bm[1, 31] = -1  # tokens 992-999 (and bits past 999)
+    x = torch.randn(4, v, generator=g)
+    y = x.clone()
+    apply_bitmask(y, bm, [0, 1, 3])
+    bits = ((bm.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1).view(4, -1)[:, :v].bool()
+    for r in (0, 1, 3):
+        assert torch.equal(y[r], torch.where(bits[r], x[r], float("-inf"))), r
+    assert torch.equal(y[2], x[2])
+    assert torch.isfinite(y[1]).nonzero().view(-1).tolist() == [96, 98, 127] + list(range(992, 1000))
+
+    # "allows no token" reads the bitmask's bits below the vocabulary only
+    bm = allocate_bitmask(1, 40).zero_()
+    assert not allows_any(bm, 0, 40)
+    bm[0, 1] = 1 << 7  # token 39
+    assert allows_any(bm, 0, 40)
+    bm[0, 1] = 1 << 8  # token 40: past the vocabulary
+    assert not allows_any(bm, 0, 40)
 
 
 # ------------------------------------------------------------------ the server

@@ -10,7 +10,11 @@ a resume's catch-up extend, a speculative rollback, a step's commit.  So the nex
 whichever model samples it is masked by one grammar state, carried across every handoff.
 
 Masks apply to the logits the step samples from, routes on (entropy: a token the grammar
-forces has entropy 0) and drafts from; reported logprobs stay those of the raw logits.
+forces has entropy 0) and drafts from; reported logprobs stay those of the raw logits.  They are
+applied in place, to the guided rows only (the rows of other requests are not touched, nor
+copied): a step pays one bitmask fill and one pass over the vocabulary per guided row.  A guided
+row whose request asks for logprobs keeps its raw log-softmax from before the mask
+(:meth:`~tokenrouter.engine.output_processor.OutputProcessorMixin._sample`).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .detok import load_tokenizer, stop_token_ids
-from .grammar import GrammarCompiler, RequestGrammar, allocate_bitmask, apply_bitmask, grammar_of
+from .grammar import GrammarCompiler, RequestGrammar, allocate_bitmask, allows_any, apply_bitmask, grammar_of
 
 __all__ = ["ConstrainedDecoding"]
 
@@ -44,7 +48,8 @@ class ConstrainedDecoding:
         self._compiler: Optional[GrammarCompiler] = None
         self._compiler_lock = threading.Lock()
         self.grammars: Dict[str, RequestGrammar] = {}
-        self._bitmask = allocate_bitmask(max_rows, self.vocab_size)
+        self._bitmask = allocate_bitmask(max_rows, self.vocab_size)  # a step's rows (row i: batch row i)
+        self._position_bitmask = allocate_bitmask(8, self.vocab_size)  # a verification's drafted positions
 
     @property
     def compiler(self) -> GrammarCompiler:
@@ -98,8 +103,10 @@ class ConstrainedDecoding:
         g = self.grammars.get(lr.rid)
         if g is None:
             return
-        end = len(lr.seq.tokens) - len(lr.verify)
-        g.sync(lr.seq.tokens[g.start:end])
+        # the output less a peer's drafts waiting for verification; of it, only this model's own
+        # unconfirmed drafts may leave the sequence (a resume rolls back the rejected ones), so the
+        # matcher compares only the tokens after its settled ones (O(new tokens + drafts))
+        g.sync(lr.seq.tokens, g.start, len(lr.seq.tokens) - len(lr.verify), tentative=lr.drafts)
 
     def complete(self, lr) -> bool:
         """The request's committed output is a complete match (its grammar accepted a stop token
@@ -111,53 +118,64 @@ class ConstrainedDecoding:
         """Forget a request's matcher (it ended or left this model for good)."""
         self.grammars.pop(rid, None)
 
-    def mask(self, batch: List[Any], logits: torch.Tensor, errors: Dict[int, str]) -> torch.Tensor:
-        """The step's logits with each guided row's disallowed tokens at -inf.
+    def masks(self, lr) -> bool:
+        """Whether :meth:`mask` masks this request's row of a step: it is guided and does not
+        verify drafts (its drafted positions are masked by :meth:`mask_positions`)."""
+        return not lr.verify and lr.rid in self.grammars
+
+    def mask(self, batch: List[Any], logits: torch.Tensor, errors: Dict[int, str]) -> List[int]:
+        """Set each guided row's disallowed tokens to -inf, in place (:meth:`masks`' rows only).
 
         Args:
             batch: the step's LocalRequests in row order.
-            logits: float32 ``[B, V]`` raw logits (not modified).
-            errors: row -> message, filled for a row whose grammar allows no token.
+            logits: float32 ``[B, V]``, the step's raw logits; the guided rows are masked in place,
+                the other rows are neither modified nor copied.
+            errors: row -> message, filled for a row whose grammar allows no token (that row is
+                left as it is: its request fails).
 
         Returns:
-            ``logits`` itself when no row is guided, else a masked copy.  Rows that verify drafts
-            are left raw (their drafted positions are masked by :meth:`mask_positions`).
+            the rows masked, in order (empty when no row is guided).  Cost: per guided row one
+            bitmask fill (the matcher's) and one pass over its V logits; nothing per other row.
         """
-        rows = [i for i, lr in enumerate(batch) if lr.rid in self.grammars and not lr.verify]
+        rows = [i for i, lr in enumerate(batch) if self.masks(lr)]
         if not rows:
-            return logits
+            return []
         if self._bitmask.shape[0] < len(batch):
             self._bitmask = allocate_bitmask(len(batch), self.vocab_size)
-        filled = [i for i in rows if self.grammars[batch[i].rid].fill(self._bitmask, i)]
-        masked = logits.clone()
-        apply_bitmask(masked, self._bitmask, filled)
-        for i in filled:
-            if not torch.isfinite(masked[i]).any():
+        filled = []
+        for i in rows:
+            if not self.grammars[batch[i].rid].fill(self._bitmask, i):
+                continue  # terminated: the request ends on this step's commit
+            if allows_any(self._bitmask, i, logits.shape[1]):
+                filled.append(i)
+            else:
                 errors[i] = "guided decoding: the grammar allows no next token"
-        return masked
+        apply_bitmask(logits, self._bitmask, filled)
+        return filled
 
-    def mask_positions(self, lr, drafts: List[int], position_logits: torch.Tensor) -> torch.Tensor:
-        """Speculative verification: the logits at each drafted position, masked by the grammar
-        state after the output and the drafts before that position.
+    def mask_positions(self, lr, drafts: List[int], position_logits: torch.Tensor) -> int:
+        """Speculative verification: mask, in place, the logits at each drafted position by the
+        grammar state after the output and the drafts before that position.
 
         Args:
             lr: the verifying model's LocalRequest (its matcher holds the committed output).
             drafts: the drafted token ids, in order.
-            position_logits: float32 ``[len(drafts) + 1, V]`` (not modified).
+            position_logits: float32 ``[len(drafts) + 1, V]``, masked in place (a draft the
+                grammar does not allow gets probability 0, so verification rejects it and every
+                draft after it; the positions after it are left as they are).
 
         Returns:
-            ``position_logits`` itself when unguided, else a masked copy (a draft the grammar does
-            not allow has probability 0, so verification rejects it and every draft after it).
+            the positions masked (0 when the request is not guided).
         """
         g = self.grammars.get(lr.rid)
         if g is None:
-            return position_logits
+            return 0
         n = position_logits.shape[0]
-        bitmask = allocate_bitmask(n, self.vocab_size)
-        done = g.fill_after(drafts, bitmask)
-        masked = position_logits.clone()
-        apply_bitmask(masked, bitmask, list(range(done)))
-        return masked
+        if self._position_bitmask.shape[0] < n:
+            self._position_bitmask = allocate_bitmask(n, self.vocab_size)
+        done = g.fill_after(drafts, self._position_bitmask)
+        apply_bitmask(position_logits, self._position_bitmask, list(range(done)))
+        return done
 
     def stats(self) -> Dict[str, int]:
         """``guided_requests`` (matchers held) and the compiler's counters (``grammar_*``)."""

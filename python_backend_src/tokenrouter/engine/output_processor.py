@@ -75,8 +75,9 @@ class SampledRows:
         probs: its probability per row (float), under the distribution it was sampled from.
         entropies: the row's normalised entropy (in [0, 1]), of that distribution.
         errors: row index -> message, for rows whose sampling failed.
-        logits: float32 ``[B, V]``, the logits sampled from: the raw ones, or a guided request's
-            with the tokens its grammar does not allow at -inf (:mod:`tokenrouter.engine.constrained`).
+        logits: float32 ``[B, V]``, the logits sampled from: the engine's own tensor, a guided
+            request's row with the tokens its grammar does not allow set to -inf in place
+            (:mod:`tokenrouter.engine.constrained`), the other rows raw.
         top_n: row index -> N, for the rows whose request asks for logprobs (N top alternatives).
         raw_logp: row index -> float32 ``[V]``, the raw log-softmax of that row's logits (those rows
             only: a request that asks for no logprobs costs nothing here).
@@ -176,8 +177,12 @@ class OutputProcessorMixin:
             raise ValueError("the engine returned no logits at the drafted positions")
         n_top = logprobs_count(lr.header.sampling)
         drafted = None if n_top is None else draft_logprobs_of(lr.header.extras, len(drafts))
-        # guided decoding: each drafted position masked by the grammar state before it
-        v = lr.algo.verify(res, self.constrained.mask_positions(lr, drafts, position_logits), drafts, self.sampler)
+        # the own token's logprobs are the raw logits' (guided: a copy from before the mask)
+        raw = position_logits.clone() if n_top is not None and lr.rid in self.constrained.grammars \
+            else position_logits
+        # guided decoding: each drafted position masked (in place) by the grammar state before it
+        self.constrained.mask_positions(lr, drafts, position_logits)
+        v = lr.algo.verify(res, position_logits, drafts, self.sampler)
         if isinstance(v, Verdict):
             toks, n_acc = [int(t) for t in v.tokens], int(v.accepted)
         else:
@@ -198,8 +203,7 @@ class OutputProcessorMixin:
         else:
             entries = list(drafted[:n_acc])
             if own:
-                entries.append(token_logprobs(torch.log_softmax(position_logits[n_acc].float(), dim=-1),
-                                              toks[n_acc], n_top))
+                entries.append(token_logprobs(torch.log_softmax(raw[n_acc].float(), dim=-1), toks[n_acc], n_top))
         lr.spec_round = {"drafted": len(drafts), "accepted": n_acc, "drafter": lr.algo.peer_model(1)}
         return toks, entries, in_seq
 
@@ -228,21 +232,24 @@ class OutputProcessorMixin:
         request asks for logprobs (not rows that verify drafts: :meth:`_verify_row`), the raw
         log-softmax their entries are read from."""
         errors: Dict[int, str] = {}
-        # guided decoding: disallowed tokens at -inf for sampling, routing and drafting
-        logits = self.constrained.mask(batch, out.logits, errors)
+        logits = out.logits
+        top_n = {i: n for i, lr in enumerate(batch)
+                 if not lr.verify and (n := logprobs_count(lr.header.sampling)) is not None}
+        # reported logprobs are the raw logits' (tokenrouter.engine.constrained): a guided row that
+        # asks for them keeps its raw log-softmax from before the mask (those rows only)
+        keep = [i for i in sorted(top_n) if self.constrained.masks(batch[i])]
+        kept = torch.log_softmax(logits[keep], dim=-1) if keep else None
+        # guided decoding: disallowed tokens at -inf for sampling, routing and drafting (in place,
+        # guided rows only)
+        self.constrained.mask(batch, logits, errors)
         logp = torch.log_softmax(logits, dim=-1)
         toks = self.sampler.sample(logits, [lr.rid for lr in batch], [lr.header.sampling for lr in batch],
                                    errors=errors, contexts=[self._sampling_context(lr) for lr in batch])
         tok_logp = logp.gather(1, toks.view(-1, 1)).view(-1)
         probs = tok_logp.exp().tolist()
-        top_n = {i: n for i, lr in enumerate(batch)
-                 if not lr.verify and (n := logprobs_count(lr.header.sampling)) is not None}
-        raw_logp: Dict[int, torch.Tensor] = {}
-        if top_n:
-            rows = sorted(top_n)
-            # reported logprobs are the raw logits' (tokenrouter.engine.constrained): those rows only
-            raw = logp[rows] if logits is out.logits else torch.log_softmax(out.logits[rows], dim=-1)
-            raw_logp = {i: raw[j] for j, i in enumerate(rows)}
+        raw_logp = {i: logp[i] for i in top_n}
+        for j, i in enumerate(keep):
+            raw_logp[i] = kept[j]
         return SampledRows(tokens=toks.tolist(), probs=probs, entropies=normalized_entropy(logp).tolist(),
                            errors=errors, logits=logits, top_n=top_n, raw_logp=raw_logp)
 
