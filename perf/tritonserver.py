@@ -98,6 +98,12 @@ def exit_on_termination() -> None:
         signal.signal(sig, _exit)
 
 
+#: tritonserver's ``--grpc-infer-allocation-pool-size`` (Triton's default 8), as deploy/serve sets it:
+#: a pooled gRPC request state keeps the last request it carried, however large, until it is
+#: reused (docs/reliability.md, "Memory over time"); ``extra_args`` may set it again (the last wins)
+GRPC_INFER_ALLOCATION_POOL_SIZE = 0
+
+
 class TritonServer:
     """A tritonserver process on free ports; ``start()`` returns once it is ready.
 
@@ -235,6 +241,9 @@ class TritonServer:
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),
             f"--model-load-thread-count={load_threads}",
+            # as deploy/serve: no pool of gRPC request states, each of which keeps the last
+            # request it carried (a huge one for as long as the state waits in the pool)
+            f"--grpc-infer-allocation-pool-size={GRPC_INFER_ALLOCATION_POOL_SIZE}",
             *self.extra_args,
         ]
         env = {**os.environ, **self.env}

@@ -2,8 +2,9 @@
 
 Oversized and hostile inputs at each entry -- Triton's HTTP generate endpoint, a gRPC
 stream, the OpenAI front end -- are refused with an error naming the limit, before any
-work that grows with the input: the stubs' resident memory does not jump, and a healthy
-stream running at the same time completes.  A flood of legal requests on a server with a
+work that grows with the input: the stubs' resident memory does not jump, tritonserver keeps no
+copy of a refused input once it is answered, and a healthy stream running at the same time
+completes.  A flood of legal requests on a server with a
 small KV pool and a short queue is answered with results or "busy" (Triton's UNAVAILABLE, a
 message starting "busy: " and naming the limit; a 503 from the OpenAI front end), never with
 a dead-peer error or a 600 s wait.
@@ -18,6 +19,7 @@ import http.client
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -135,6 +137,58 @@ def test_grpc_stream_refuses_oversized_input(server):
     assert out["error"] and "(max_stop_string_bytes)" in out["error"], out["error"][:300]
     _assert_rss_flat(before, _stub_rss(server))
     healthy.check()
+
+
+#: a prompt above glibc's largest dynamic mmap threshold (32 MiB on 64-bit): a buffer that holds it
+#: whole is a mapping of its own, whichever the allocator's state (a smaller one may sit in a heap)
+HUGE = 34 * 2**20
+#: huge requests sent at once (each takes a gRPC request state of its own), in each of two rounds
+HUGE_AT_ONCE = 4
+
+
+def _prompt_sized_mappings(pid: int) -> list:
+    """Resident bytes of each private anonymous mapping of process ``pid`` whose size is that of a
+    buffer holding one ``HUGE`` input (``HUGE`` to ``HUGE`` + 1 MiB: not glibc's 64 MiB heaps)."""
+    out, cur = [], None
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        head = line.split()
+        if "-" in head[0] and ":" not in head[0]:  # a mapping's header: "start-end perms offset dev inode [path]"
+            lo, hi = (int(x, 16) for x in head[0].split("-"))
+            cur = (hi - lo) if len(head) == 5 and head[1].startswith("rw") else None
+        elif head[0] == "Rss:" and cur is not None and HUGE <= cur <= HUGE + 2**20:
+            out.append(int(head[1]) * 1024)
+    return out
+
+
+def test_tritonserver_keeps_no_copy_of_refused_inputs(server):
+    """Huge refused prompts leave no copy in tritonserver once answered.
+
+    With Triton's default pool of gRPC request states (``--grpc-infer-allocation-pool-size`` 8
+    per handler), a released state kept the whole last request it carried (its
+    ``ModelInferRequest``) until the pool handed it to another request: after prompts of 34 MiB,
+    4 at a time, mappings of 34 MiB stayed resident in tritonserver. deploy/serve (and the
+    tests' server) run with a pool of 0."""
+    pid = server.process.pid
+    for _ in range(2):
+        outs: list = [None] * HUGE_AT_ONCE
+
+        def send(i: int) -> None:
+            outs[i] = grpc_stream(server, "c" * HUGE, {"max_tokens": 4})
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(HUGE_AT_ONCE)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        for out in outs:
+            assert out is not None and out["error"] and f"text_input is {HUGE} bytes; the limit is" in out["error"], \
+                (out or {}).get("error", "")[:300]
+    # a state is freed when its stream's end reaches the server's completion queue: poll for it
+    deadline = time.monotonic() + 30
+    while (kept := [r for r in _prompt_sized_mappings(pid) if r >= HUGE // 2]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not kept, f"tritonserver still holds {len(kept)} buffers of a {HUGE / 2**20:.0f} MiB prompt " \
+                     f"({sum(kept) / 2**20:.0f} MiB resident) after {2 * HUGE_AT_ONCE} of them were refused"
 
 
 #: a prompt under the demo's max_input_bytes (8,192 x 82 = 671,744) with 300,001 tokens

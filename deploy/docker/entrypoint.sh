@@ -139,6 +139,7 @@ server_args=(
     --metrics-port "$metrics_port"
     --model-load-thread-count 1
     --model-control-mode explicit
+    --grpc-infer-allocation-pool-size 0   # as deploy/serve: no pooled request states (docs/reliability.md)
 )
 for m in "${hosted[@]}"; do server_args+=(--load-model "$m"); done
 server_args+=(${extra_args[@]+"${extra_args[@]}"})

@@ -86,9 +86,10 @@ def _prompt(rng: random.Random, long_fraction: float) -> str:
     return q
 
 
-def _hostile(rng: random.Random, mib: float):
-    """(name, prompt bytes, sampling_parameters text) of one hostile input (see :data:`HOSTILE`)."""
-    name = rng.choice(sorted(HOSTILE))
+def _hostile(rng: random.Random, mib: float, names: Optional[Sequence[str]] = None):
+    """(name, prompt bytes, sampling_parameters text) of one hostile input (see :data:`HOSTILE`),
+    drawn from ``names`` (default: all of them)."""
+    name = rng.choice(sorted(names or HOSTILE))
     text, sp = rng.choice(PROMPTS).encode(), json.dumps({"max_tokens": 8})
     if name == "huge_prompt":
         text = b"a" * int(mib * 2**20)
@@ -105,7 +106,7 @@ def _hostile(rng: random.Random, mib: float):
 
 def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s: float,
          thresholds: Sequence[float], hostile_mib: float = 32.0, max_tokens: Sequence[int] = (4, 48),
-         long_fraction: float = 0.0) -> Dict[str, Any]:
+         long_fraction: float = 0.0, hostile_names: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     import numpy as np
     import tritonclient.grpc as grpcclient
 
@@ -125,7 +126,7 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
     sp_text = json.dumps(sampling)
     hostile = ""
     if kind == "hostile":
-        hostile, text, sp_text = _hostile(rng, hostile_mib)
+        hostile, text, sp_text = _hostile(rng, hostile_mib, hostile_names)
     ins = []
     for name, arr, dt in (("text_input", np.array([text], dtype=np.object_), "BYTES"),
                           ("stream", np.array([stream]), "BOOL"),
