@@ -16,6 +16,11 @@ Every operating point is one router model (a copy of ``token_router`` with its o
 (R-Stitch's ``tau``, CITER's ``tau``, R2R's ``threshold``, Co-LLM's ``eta``, random's ``p``)
 share one router model and set the threshold per request (``routing_threshold``), so a sweep
 of many thresholds does not load a router process per point.
+With ``--url HOST:PORT`` no server is started: the requests go to that running tritonserver,
+which must serve the pair's models and, for every point to run, a router model with the point's
+algorithm and ``algorithm_params`` (found by their config, :func:`find_routers`; e.g. a router
+``none`` ``{"model": 0}`` for ``slm-only``, ``random`` with its defaults for the ``random:p=P``
+points).
 
 Points:
 
@@ -102,6 +107,7 @@ commands over slices of the problems (each resumes the cache, and a stopped one 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -114,6 +120,7 @@ import tempfile
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from types import SimpleNamespace
 from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -394,6 +401,50 @@ def plan_routers(points: Sequence[Point]) -> Dict[str, Dict[str, str]]:
             routers[by_key[key]] = {"algorithm": p.algorithm, "algorithm_params": json.dumps(p.params)}
         p.router = by_key[key]
     return routers
+
+
+def router_serves(params: Mapping[str, str], point: Point, models: str) -> bool:
+    """Whether a router model with config ``parameters`` ``params`` ({key: string value}) serves
+    ``point`` as the router :func:`plan_routers` writes for it would: the same ``models``, the
+    point's algorithm, and ``algorithm_params`` equal to the point's once the algorithm's defaults
+    are filled in (a threshold point's threshold goes with each request, not in the router).
+    A router whose parameters do not parse or validate serves no point."""
+    from tokenrouter.algorithms import get_algorithm
+
+    if params.get("role") != "router" or params.get("models") != models or params.get("algorithm") != point.algorithm:
+        return False
+    try:
+        cls = get_algorithm(point.algorithm)
+        n = len(models.split(","))
+        served = cls.validate_params(json.loads(params.get("algorithm_params") or "{}"), n)
+        return served == cls.validate_params(point.params, n)
+    except ValueError:
+        return False
+
+
+def find_routers(url: str, points: Sequence[Point], models: str) -> None:
+    """Give every point (``point.router``) a READY router model of the running tritonserver at
+    ``url`` (gRPC ``host:port``) that serves it (:func:`router_serves`): ``--url``'s counterpart
+    of :func:`plan_routers`.
+
+    Raises:
+        ValueError: a point has no such router (the message names the point and what it needs).
+    """
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(url)
+    routers = {}
+    for m in client.get_model_repository_index(as_json=True).get("models", []):
+        if m.get("state") == "READY":
+            cfg = client.get_model_config(m["name"], as_json=True)["config"]
+            routers[m["name"]] = {k: v.get("string_value", "") for k, v in cfg.get("parameters", {}).items()}
+    for p in points:
+        match = sorted(name for name, params in routers.items() if router_serves(params, p, models))
+        if not match:
+            raise ValueError(f"the tritonserver at {url} has no READY router model for point {p.name}: it needs "
+                             f"one with models {models!r}, algorithm {p.algorithm!r} and algorithm_params "
+                             f"{json.dumps(p.params)} (the algorithm's defaults filled in)")
+        p.router = match[0]
 
 
 # --------------------------------------------------------------------------- cache
@@ -1062,6 +1113,13 @@ def _variant(pair: str, work: str, routers: Mapping[str, Mapping[str, str]]) -> 
                         routers=routers)
 
 
+def _router_models(repo: str) -> str:
+    """The ``models`` parameter of the repository's ``token_router`` (e.g. ``"slm,llm"``)."""
+    from tokenrouter.tools.repository import read_config
+
+    return read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters["models"].string_value
+
+
 def router_tokenizer(repo: str):
     """The router's tokenizer (its ``tokenizer_path``), as the OpenAI front end loads it: the one
     :func:`build_prompt` renders the chat template with.
@@ -1128,6 +1186,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--points", action="append", default=[], metavar="ALGO:KEY=V1,V2[:KEY=VALUE]",
                     help="an algorithm at several values of one parameter, with fixed other parameters, e.g. "
                          "rstitch:tau=0.05,0.1,0.2 or citer:tau=0.5,0.8:router=FILE (repeatable)")
+    ap.add_argument("--url", default="", metavar="HOST:PORT",
+                    help="send the requests to this running tritonserver (gRPC) instead of starting one: it must "
+                         "serve the pair's models and, for every point to run, a router model with the point's "
+                         "algorithm and algorithm_params (found by their config)")
     ap.add_argument("--concurrency", type=int, default=8, help="closed-loop clients (default 8)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="output tokens per problem at most (default: the task's: humaneval 384, "
@@ -1203,10 +1265,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         tok = router_tokenizer(repo)
         prompts = {pr["task_id"]: task.build_prompt(tok, pr) for pr in problems}
         if todo:
-            print(f"== {a.pair}: {len(todo)} points to run ({sum(len(m) for _, m in todo)} requests), "
-                  f"{len(routers)} router models; starting tritonserver", flush=True)
-            log = os.path.join(work, "tritonserver.log")
-            with TritonServer(repo, ready_timeout=900, log_path=log) as srv:
+            head = f"== {a.pair}: {len(todo)} points to run ({sum(len(m) for _, m in todo)} requests), "
+            if a.url:
+                try:
+                    find_routers(a.url, [p for p, _ in todo], _router_models(repo))
+                except ValueError as e:
+                    print(f"perf/quality.py: {e}", file=sys.stderr)
+                    return 2
+                print(head + f"on the tritonserver at {a.url}", flush=True)
+                server = contextlib.nullcontext(SimpleNamespace(grpc_url=a.url))
+            else:
+                print(head + f"{len(routers)} router models; starting tritonserver", flush=True)
+                server = TritonServer(repo, ready_timeout=900, log_path=os.path.join(work, "tritonserver.log"))
+            with server as srv:
                 need = max(len(tok.encode(prompts[pr["task_id"]])) for _p, m in todo for pr in m) + a.max_tokens
                 try:
                     check_kv(srv.grpc_url, need, a.concurrency)

@@ -37,6 +37,21 @@ def repo_root() -> Path:
 SHARED_SERVERS = ("triton_server", "routing_server")
 _STARTED: dict = {}  # fixture name -> its TritonServer while it runs
 _LAST_USER: dict = {}  # fixture name -> node id of the last selected test that uses it
+_START_S: dict = {}  # fixture name -> (test file whose setup started it, seconds its start took)
+_SETUP_OF = [""]  # node id of the test being set up
+
+
+def _timed_start(name: str, server_cm):
+    """Enter ``server_cm`` (a :func:`tr_server.running_server`) and note how long the start took and
+    in which test file's setup, so that the summary lists a shared server's start apart from that
+    file's own seconds."""
+    import time
+
+    t0 = time.monotonic()
+    server = server_cm.__enter__()
+    _START_S[name] = (_SETUP_OF[0].split("::", 1)[0], time.monotonic() - t0)
+    _STARTED[name] = server
+    return server
 
 
 @pytest.fixture(scope="session")
@@ -49,9 +64,12 @@ def triton_server(tmp_path_factory):
     """
     from tr_server import running_server
 
-    with running_server(REPO_ROOT / "model_repository", tmp_path_factory.mktemp("tritonserver")) as server:
-        _STARTED["triton_server"] = server
+    cm = running_server(REPO_ROOT / "model_repository", tmp_path_factory.mktemp("tritonserver"))
+    server = _timed_start("triton_server", cm)
+    try:
         yield server
+    finally:
+        cm.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")
@@ -66,9 +84,12 @@ def routing_server(tmp_path_factory):
     from tr_server import routing_repository, running_server
 
     work = tmp_path_factory.mktemp("routing_server")
-    with running_server(routing_repository(work / "repo"), work, extra_args=["--exit-timeout-secs=5"]) as server:
-        _STARTED["routing_server"] = server
+    cm = running_server(routing_repository(work / "repo"), work, extra_args=["--exit-timeout-secs=5"])
+    server = _timed_start("routing_server", cm)
+    try:
         yield server
+    finally:
+        cm.__exit__(None, None, None)
 
 
 def _module(item) -> str:
@@ -151,8 +172,14 @@ def pytest_collection_modifyitems(config, items):
 _FILE_SECONDS: dict = {}
 
 
+def pytest_runtest_setup(item):
+    _SETUP_OF[0] = item.nodeid
+
+
 def pytest_runtest_logreport(report):
-    """Seconds per test file: setup (module fixtures, servers), call and teardown of its tests."""
+    """Seconds per test file: setup (module fixtures, its own servers), call and teardown of its tests.
+    A shared server's start is counted apart (:data:`SHARED_SERVERS`), not in the file whose first
+    test happened to start it."""
     path = report.nodeid.split("::", 1)[0]
     _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
 
@@ -160,10 +187,15 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if not _FILE_SECONDS:
         return
+    rows = dict(_FILE_SECONDS)
+    for name, (path, secs) in _START_S.items():
+        if path in rows:
+            rows[path] -= secs
+        rows[f"(start of the shared {name}, in {path or '?'}'s setup)"] = secs
     terminalreporter.section("seconds per test file")
-    for path, s in sorted(_FILE_SECONDS.items(), key=lambda kv: -kv[1]):
+    for path, s in sorted(rows.items(), key=lambda kv: -kv[1]):
         terminalreporter.write_line(f"{s:8.1f}  {path}")
-    terminalreporter.write_line(f"{sum(_FILE_SECONDS.values()):8.1f}  total")
+    terminalreporter.write_line(f"{sum(rows.values()):8.1f}  total")
 
 
 @pytest.fixture(scope="session")

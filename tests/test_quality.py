@@ -1,6 +1,7 @@
 """The quality benchmark (perf/quality.py): HumanEval scoring in the sandbox on real problems, the
 code-block parsing, the statistics (checked against scipy's implementations), the points and the
-report, and one small run through a real server on the demo pair."""
+report, and one small run through a real server on the demo pair (the shared routing server, the
+command's --url; its own server start is the same router plan, checked without a server)."""
 
 from __future__ import annotations
 
@@ -293,21 +294,41 @@ def test_cache_with_other_settings_is_refused(tmp_path):
     assert quality.load_cache(path, pt, {**settings, "max_tokens": 64}, force=True)["problems"] == {}
 
 
-@pytest.mark.server
-def test_quality_end_to_end_on_the_demo_pair(repo_root, tmp_path):
-    """2 problems through a real server (demo pair) at 2 points, slm-only and random p = 0.5: a record
-    per problem and point, its completion rescored to the same verdict, the routing as the seeded draws
-    decide (random: LLM token t iff U(seed = problem number, t) < p), then the cache serves a second
-    command without a server (table and plot)."""
+def test_planned_routers_are_the_routers_url_finds(repo_root, tmp_path):
+    """The router models the command writes for its own server (plan_routers, make_variant) serve
+    their points by the rule --url finds a running server's routers with (router_serves), and no
+    other point's."""
+    from tokenrouter.tools.repository import read_config
+
+    pts = quality.parse_points(["slm-only", "llm-only"], [0.1, 0.5], ["rstitch:tau=0.1", "rstitch:max_llm_run=2:tau=0.3"])
+    routers = quality.plan_routers(pts)
+    repo = quality._variant("demo", str(tmp_path), routers)
+    models = quality._router_models(repo)
+    assert models == "slm,llm"
+    for name in routers:
+        params = {k: v.string_value for k, v in read_config(f"{repo}/{name}/config.pbtxt").parameters.items()}
+        assert {p.name for p in pts if quality.router_serves(params, p, models)} == \
+            {p.name for p in pts if p.router == name}, name
+        assert not any(quality.router_serves(params, p, "llm,slm") for p in pts)
+    token_router = {k: v.string_value for k, v in read_config(f"{repo}/token_router/config.pbtxt").parameters.items()}
+    assert not any(quality.router_serves(token_router, p, models) for p in pts)  # rstitch at its own tau
+
+
+def test_quality_end_to_end_on_the_demo_pair(routing_server, repo_root, tmp_path):
+    """2 problems through a real server (demo pair: the shared routing server, --url; its routers
+    token_router_slm and token_router_random_default serve the points) at 2 points, slm-only and
+    random p = 0.5: a record per problem and point, its completion rescored to the same verdict, the
+    routing as the seeded draws decide (random: LLM token t iff U(seed = problem number, t) < p), then
+    the cache serves a second command without a server (table and plot)."""
     from tokenrouter.algorithms.base import request_uniform
 
     out = tmp_path / "q"
     cmd = [sys.executable, str(repo_root / "perf" / "quality.py"), "--pair", "demo", "--problems", "2",
            "--baselines", "slm-only", "--random", "0.5", "--max-tokens", "24", "--concurrency", "2",
-           "--out", str(out)]
+           "--out", str(out), "--url", routing_server.grpc_url]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo_root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "2 points to run (4 requests)" in run.stdout
+    assert f"2 points to run (4 requests), on the tritonserver at {routing_server.grpc_url}" in run.stdout
     for name in ("slm-only", "random_p=0.5"):
         data = json.loads((out / "demo" / f"{name}.json").read_text())
         assert sorted(data["problems"]) == ["HumanEval/0", "HumanEval/1"] and data["runs"][0]["errors"] == []
@@ -326,7 +347,7 @@ def test_quality_end_to_end_on_the_demo_pair(repo_root, tmp_path):
     again = subprocess.run(cmd + ["--plot", str(tmp_path / "q.png")], capture_output=True, text=True,
                            timeout=300, cwd=repo_root)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert "starting tritonserver" not in again.stdout and "| random:p=0.5 | 2 |" in again.stdout
+    assert "points to run" not in again.stdout and "| random:p=0.5 | 2 |" in again.stdout
     assert (out / "demo" / "slm-only.json").read_text() == before
     assert (tmp_path / "q.png").stat().st_size > 0
     summary = json.loads((out / "demo" / "summary.json").read_text())

@@ -174,14 +174,14 @@ def test_runner_records_and_summary_of_a_math_task(tmp_path):
     assert quality.runs_on(data, ["gsm-symbolic/99"]) == data["runs"][1:]
 
 
-@pytest.mark.server
-def test_math_task_end_to_end_on_the_demo_pair(repo_root, tmp_path):
-    """2 GSM-Symbolic dev problems through a real server (demo pair, slm-only): the math prompt, a record
-    per problem graded as the task grades it (a cut answer wrong), the cut rate in the summary."""
+def test_math_task_end_to_end_on_the_demo_pair(routing_server, repo_root, tmp_path):
+    """2 GSM-Symbolic dev problems through a real server (demo pair, slm-only: the shared routing
+    server's token_router_slm, --url): the math prompt, a record per problem graded as the task grades
+    it (a cut answer wrong), the cut rate in the summary."""
     out = tmp_path / "q"
     cmd = [sys.executable, str(repo_root / "perf" / "quality.py"), "--pair", "demo", "--task", "gsm-symbolic",
            "--split", "dev", "--problems", "2", "--baselines", "slm-only", "--random", "", "--max-tokens", "12",
-           "--concurrency", "2", "--out", str(out)]
+           "--concurrency", "2", "--out", str(out), "--url", routing_server.grpc_url]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900, cwd=repo_root)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "GSM-Symbolic pass@1" in run.stdout and "dev split" in run.stdout

@@ -180,6 +180,9 @@ ROUTING_ROUTERS = {
                                                    '"draft_temperature": 1.0}'},
     # every token drawn: about half of them on each model
     "token_router_random": {"algorithm": "random", "algorithm_params": '{"p": 0.5, "seed": 3}'},
+    # random with its defaults, p set per request: perf/quality.py --url's router of its random:p=P points
+    # (test_quality.py, test_tasks.py; their slm-only points use token_router_slm)
+    "token_router_random_default": {"algorithm": "random", "algorithm_params": "{}"},
     # a compile limit no real grammar meets: the refusal path of a slow grammar
     "token_router_fastgrammar": {"grammar_compile_timeout_ms": "1"},
 }
