@@ -14,6 +14,7 @@ perf/ import it as a sibling; the tests through pytest.ini's ``pythonpath``.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -35,6 +36,13 @@ class TritonServerError(RuntimeError):
 
 # What Triton 2.51's Python backend prints when a stub start-up aborts (see start()).
 _STUB_START_ABORT = "boost::interprocess::lock_exception"
+# The error of a start whose load stalled after a model's initialize (see _wait_ready()).
+_LOAD_STALL = "never finished loading after its initialize returned"
+#: seconds a model may stay between its stub's "load done" and Triton's "successfully loaded"
+#: (normally a few milliseconds) before the start counts as stalled
+LOAD_STALL_S = 120.0
+_LOAD_DONE = re.compile(r'"(\S+): load done in ')
+_LOADED = re.compile(r"successfully loaded '(\S+)'")
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -204,9 +212,11 @@ class TritonServer:
         Models load two at a time (a six-model server is ready in about 0.6x the time
         of one at a time). About one start in 30 on a busy 2-core host aborted in
         Triton's Python backend while two stubs started (``terminate called after
-        throwing an instance of 'boost::interprocess::lock_exception'``); such a start
-        is retried once, loading one model at a time, with a warning on stderr. Any
-        other failure raises ``TritonServerError`` with the log tail.
+        throwing an instance of 'boost::interprocess::lock_exception'``), and a few
+        stalled: two models' ``initialize`` returned but Triton never logged them loaded,
+        nor started the third (:data:`LOAD_STALL_S`). Such a start is retried once,
+        loading one model at a time (as ``deploy/serve`` always does), with a warning on
+        stderr. Any other failure raises ``TritonServerError`` with the log tail.
         """
         if self.process is not None:
             raise TritonServerError("already started")
@@ -219,10 +229,12 @@ class TritonServer:
             except TritonServerError:
                 tail = self.log_tail(200)
                 self.stop()
-                if load_threads == 1 or _STUB_START_ABORT not in tail:
+                stalled = _LOAD_STALL in str(sys.exc_info()[1])
+                if load_threads == 1 or (_STUB_START_ABORT not in tail and not stalled):
                     raise
+                why = "stalled" if stalled else f"aborted ({_STUB_START_ABORT})"
                 sys.stderr.write(
-                    f"tritonserver aborted while loading two models at once ({_STUB_START_ABORT}); "
+                    f"tritonserver {why} while loading two models at once; "
                     "retrying one model at a time. Log tail:\n" + "\n".join(tail.splitlines()[-20:]) + "\n")
             except BaseException:
                 self.stop()
@@ -263,7 +275,16 @@ class TritonServer:
             return False
 
     def _wait_ready(self) -> None:
+        """Poll readiness every 0.5 s until ``ready_timeout``.
+
+        Raises:
+            TritonServerError: the process exited, the timeout passed, or a model stalled: its
+                stub logged "load done" :data:`LOAD_STALL_S` seconds ago and Triton has not
+                logged it loaded (the message then holds :data:`_LOAD_STALL`).
+        """
         deadline = time.monotonic() + self.ready_timeout
+        done_at: dict[str, float] = {}
+        next_look = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             code = self.process.poll()
             if code is not None:
@@ -273,11 +294,31 @@ class TritonServer:
                 )
             if self.is_ready():
                 return
+            now = time.monotonic()
+            if self.log_path and now >= next_look:
+                next_look = now + 5.0
+                stalled = self._stalled_models(done_at, now)
+                if stalled:
+                    raise TritonServerError(
+                        f"model(s) {', '.join(stalled)} {_LOAD_STALL} ({LOAD_STALL_S:.0f} s); "
+                        f"log {self.log_path}:\n{self.log_tail()}")
             time.sleep(0.5)
         raise TritonServerError(
             f"tritonserver not ready after {self.ready_timeout:.0f} s; "
             f"log {self.log_path}:\n{self.log_tail()}"
         )
+
+    def _stalled_models(self, done_at: dict, now: float) -> list:
+        """Models whose stub logged "load done" (first seen in ``done_at``, monotonic s) over
+        :data:`LOAD_STALL_S` before ``now`` without Triton's "successfully loaded"."""
+        try:
+            text = Path(self.log_path).read_text(errors="replace")
+        except OSError:
+            return []
+        loaded = set(_LOADED.findall(text))
+        for name in _LOAD_DONE.findall(text):
+            done_at.setdefault(name, now)
+        return sorted(m for m, t in done_at.items() if m not in loaded and now - t > LOAD_STALL_S)
 
     def log_tail(self, lines: int = 60) -> str:
         return _tail(self.log_path, lines) if self.log_path else ""

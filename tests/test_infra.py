@@ -221,3 +221,24 @@ def test_triton_echo_chain(tmp_path):
     root = Path(os.environ["TOKENROUTER_ROOT"])
     assert Path(info["tokenrouter"]) == root / "python_backend_src" / "tokenrouter" / "__init__.py"
     assert Path(info["scheduler_model"]) == root / "scheduler_model" / "__init__.py"
+
+
+def test_a_start_whose_models_never_finish_loading_counts_as_stalled(tmp_path):
+    """The test server's start-up watch: a model whose stub logged "load done" without Triton's
+    "successfully loaded" for LOAD_STALL_S seconds is named (the start is then retried with one
+    model loading at a time); a loaded model is not."""
+    import tritonserver as ts
+
+    log = tmp_path / "tritonserver.log"
+    log.write_text('I1206 init_watchdog.py:71] "llm: load done in 32.7 s"\n'
+                   'I1206 init_watchdog.py:71] "slm: load done in 12.0 s"\n'
+                   "I1206 model_lifecycle.cc:839] \"successfully loaded 'slm'\"\n")
+    server = TritonServer.__new__(TritonServer)
+    server.log_path = log
+    seen: dict = {}
+    assert server._stalled_models(seen, 0.0) == []  # first seen now
+    assert server._stalled_models(seen, ts.LOAD_STALL_S - 1) == []
+    assert server._stalled_models(seen, ts.LOAD_STALL_S + 1) == ["llm"]
+    with log.open("a") as f:
+        f.write("I1206 model_lifecycle.cc:839] \"successfully loaded 'llm'\"\n")
+    assert server._stalled_models(seen, ts.LOAD_STALL_S + 2) == []
