@@ -226,10 +226,10 @@ class TritonServer:
                 self._launch(load_threads)
                 self._wait_ready()
                 return self
-            except TritonServerError:
+            except TritonServerError as e:
                 tail = self.log_tail(200)
                 self.stop()
-                stalled = _LOAD_STALL in str(sys.exc_info()[1])
+                stalled = _LOAD_STALL in str(e)
                 if load_threads == 1 or (_STUB_START_ABORT not in tail and not stalled):
                     raise
                 why = "stalled" if stalled else f"aborted ({_STUB_START_ABORT})"
