@@ -30,9 +30,14 @@ arrived with the first chunk whose cumulative text covers the text up to and
 including token *i* (a token without text of its own: with the next chunk that
 brings new text); tokens whose text never arrived in a chunk arrived with the
 final response.  See :func:`token_arrival_times`.  A request cancelled at the end
-of a measurement has no trace: its tokens are counted as ``tokens_per_chunk`` per
-streamed chunk with text, at the chunk's arrival (a token without text of its own
-is missed).
+of a measurement, or one still running when the load is read, has no trace: with a
+tokenizer its streamed text is encoded again and those tokens replayed over its chunks
+(the count of the text's canonical tokenisation, not of the model's ids, which may differ
+by a token here and there; a token without text of its own is missed); without one, its
+tokens are counted as ``tokens_per_chunk`` per streamed chunk with text, at the chunk's
+arrival.  A chunk carries the tokens a model committed since the last one: one per decode
+step, several per speculative or draft-verify round, so ``tokens_per_chunk`` undercounts
+those settings.
 """
 
 from __future__ import annotations
@@ -214,11 +219,19 @@ def _takes_abort(gen: Callable) -> bool:
 
 
 def _partial_record(chunks: List[Tuple[float, str]], t0: float, t1: float, tokens_per_chunk: int,
-                    **flag: bool) -> RequestRecord:
-    """The record of a request cut short (``cancelled``) or still running (``in_flight``): its
-    chunks so far, ``tokens_per_chunk`` tokens each at the chunk's arrival; sent at ``t0``, read at
-    ``t1`` (perf_counter s)."""
-    times = [t for t, _s in list(chunks) for _ in range(tokens_per_chunk)]
+                    tokenizer=None, **flag: bool) -> RequestRecord:
+    """The record of a request cut short (``cancelled``) or still running (``in_flight``); sent at
+    ``t0``, read at ``t1`` (perf_counter s).
+
+    Its tokens: with ``tokenizer`` (:func:`load_tokenizer`), the streamed text encoded again and
+    replayed over the chunks (:func:`token_arrival_times`); without, ``tokens_per_chunk`` tokens per
+    chunk at the chunk's arrival (module docstring: "Token counting")."""
+    chunks = list(chunks)
+    if tokenizer is not None and chunks:
+        ids = tokenizer._tokenizer.encode("".join(s for _t, s in chunks), add_special_tokens=False).ids
+        times = token_arrival_times(chunks, ids, t1, tokenizer)
+    else:
+        times = [t for t, _s in chunks for _ in range(tokens_per_chunk)]
     return RequestRecord(chunks[0][0] - t0 if chunks else float("nan"), [], t1 - t0, len(times), {}, 0,
                          t_start_s=t0, token_t_s=times, **flag)
 
@@ -234,7 +247,7 @@ def _one(gen: Callable, prompt: str, max_tokens: int, tokenizer=None, abort: Opt
     except Exception as e:  # noqa: BLE001
         t1 = time.perf_counter()
         if abort is not None and abort.is_set():  # cancelled at the end of a measurement: keep its tokens
-            return _partial_record(chunks, t0, t1, tokens_per_chunk, cancelled=True)
+            return _partial_record(chunks, t0, t1, tokens_per_chunk, tokenizer, cancelled=True)
         return RequestRecord(float("nan"), [], t1 - t0, 0, {}, 0, error=str(e) or repr(e), t_start_s=t0)
     t1 = time.perf_counter()
     s = out.get("routing_summary", {})
@@ -593,12 +606,13 @@ class SteadyLoad:
     def snapshot(self) -> List[Dict]:
         """Records so far, as dicts, while the load keeps running: the finished requests, and for
         each request in flight a record with ``in_flight`` set and the tokens it streamed so far
-        (``tokens_per_chunk`` per chunk with text), so that a window that ended while requests were
+        (re-encoded with the tokenizer, else ``tokens_per_chunk`` per chunk with text: module
+        docstring), so that a window that ended while requests were
         running counts every token streamed inside it."""
         with self._cv:
             out = [asdict(r) for r in self.records]
             running = [x for x in self._in_flight if x is not None]
         now = time.perf_counter()
-        out += [asdict(_partial_record(chunks, sent, now, self.tokens_per_chunk, in_flight=True))
+        out += [asdict(_partial_record(chunks, sent, now, self.tokens_per_chunk, self.tokenizer, in_flight=True))
                 for sent, chunks in running]
         return out

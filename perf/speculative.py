@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -64,6 +65,25 @@ from loadgen import SteadyLoad, load_tokenizer, triton_client, window_summary  #
 
 COUNTERS = ("forward_s", "steps", "verifications", "drafts_verified", "drafts_accepted", "draft_tokens",
             "step_time_s")
+
+
+def ratio_interval(ratios, level: float = 0.95):
+    """The geometric mean of paired ratios with its t-interval on the log scale.
+
+    Args:
+        ratios: positive floats, one per repeat (a setting's tokens/s over LLM-only's of the same repeat).
+        level: the interval's coverage.
+    Returns:
+        ``[low, geo_mean, high]``, or None for fewer than two ratios (no spread to measure).
+    """
+    xs = [math.log(r) for r in ratios if r and r > 0]
+    if len(xs) < 2:
+        return None
+    from scipy import stats
+
+    m, s = statistics.fmean(xs), statistics.stdev(xs)
+    h = stats.t.ppf(0.5 + level / 2, len(xs) - 1) * s / math.sqrt(len(xs))
+    return [math.exp(m - h), math.exp(m), math.exp(m + h)]
 
 
 def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duration: float, windows: int,
@@ -108,7 +128,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="demo", help="a pair of tokenrouter.tools.repository.PAIRS (default demo)")
     ap.add_argument("--concurrency", default="1,8", help="comma-separated N (default 1,8)")
-    ap.add_argument("--k", default="2,4,6", help="comma-separated drafts per round (default 2,4,6)")
+    ap.add_argument("--k", default="2,4,6", help="comma-separated drafts per round (default 2,4,6); none: no speculative setting")
     ap.add_argument("--k-max", type=int, default=8, help="largest k of the adaptive setting (default 8)")
     ap.add_argument("--no-adaptive", action="store_true", help="leave out the adaptive-k setting")
     ap.add_argument("--max-tokens", type=int, default=64)
@@ -130,7 +150,9 @@ def main(argv=None) -> int:
     from tokenrouter.tools.repository import make_variant
     from tritonserver import TritonServer
 
-    ks = [int(k) for k in a.k.split(",")]
+    ks = [] if a.k.strip().lower() in ("", "none") else [int(k) for k in a.k.split(",")]
+    if not ks and not a.no_adaptive:
+        ap.error("--k none leaves no k for the adaptive setting: add --no-adaptive")
     ns = [int(n) for n in a.concurrency.split(",")]
     routers = {"token_router_llm": {"algorithm": "none", "algorithm_params": '{"model": 1}'}}
     for k in ks:
@@ -187,6 +209,14 @@ def main(argv=None) -> int:
                 row = {"throughput_tok_s": statistics.fmean(tps),
                        "speedup": statistics.fmean(r["throughput_tok_s"] / b["throughput_tok_s"]
                                                    for r, b in zip(runs, base)),
+                       # paired over repeats: each repeat's ratio to LLM-only of the same repeat
+                       "speedup_per_repeat": [r["throughput_tok_s"] / b["throughput_tok_s"]
+                                              for r, b in zip(runs, base)],
+                       "answers_speedup_per_repeat": [r["requests_per_s"] / b["requests_per_s"]
+                                                      if b["requests_per_s"] else None
+                                                      for r, b in zip(runs, base)],
+                       "speedup_ci95": ratio_interval([r["throughput_tok_s"] / b["throughput_tok_s"]
+                                                       for r, b in zip(runs, base)]),
                        **{q: statistics.fmean(r[q] for r in runs) for q in
                           ("itl_p50_s", "itl_p90_s", "itl_p99_s", "ttft_p50_s", "ttft_p90_s", "e2e_p50_s",
                            "e2e_p90_s") if all(r.get(q) is not None for r in runs)},
@@ -213,7 +243,7 @@ def main(argv=None) -> int:
                                    speedup_bound=tpr * t_dec / (k * t_dr + t_ver))
                 summary[name] = row
             best = max((nm for nm in summary if nm not in ("token_router_llm", "token_router_slm")),
-                       key=lambda nm: summary[nm]["throughput_tok_s"])
+                       key=lambda nm: summary[nm]["throughput_tok_s"], default="token_router_llm")
             results[str(n)] = {"settings": summary, "best": best}
             print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
     out = a.out or str(ROOT / "perf" / "results" / f"speculative-{a.pair}.json")

@@ -371,6 +371,39 @@ def test_token_arrival_times_replay_the_router_detokeniser(tokenizer):
     assert len(prop) == len(ids) and prop == sorted(prop) and prop[-1] == chunks[-1][0]
 
 
+def test_cut_requests_count_the_tokens_of_multi_token_chunks(tokenizer):
+    """A speculative or draft-verify stream sends several tokens per chunk (one round each): a request
+    cut at a measurement's end (or read in flight) counts the tokens of its streamed text, re-encoded,
+    not one per chunk, so those settings are not undercounted against one-token-per-step ones."""
+    import time as _t
+
+    ids = tokenizer._tokenizer.encode(" the answer is forty two, and then some more words" * 20,
+                                      add_special_tokens=False).ids
+    rounds = [ids[i:i + 4] for i in range(0, len(ids), 4)]
+
+    def gen(prompt, sampling, on_text, abort=None):
+        for r in rounds:  # one chunk per round of 4 tokens, every 10 ms
+            if abort is not None and abort.is_set():
+                raise RuntimeError("aborted")
+            _t.sleep(0.01)
+            on_text(tokenizer._tokenizer.decode(r))
+        raise AssertionError("the test cuts it before its end")
+
+    load = SteadyLoad(gen, ["p"], 1, 8, tokenizer=tokenizer).start()
+    try:
+        _t.sleep(0.5)
+        snap = load.snapshot()
+    finally:
+        recs = load.stop(timeout_s=10, cancel=True)
+    cut = snap + [x for x in recs if x["cancelled"]]
+    assert len(cut) == 2
+    for r in cut:
+        assert r["output_tokens"] == len(r["token_t_s"]) > 8
+        # about 4 tokens per chunk (not 1): the count of the text streamed
+        n_chunks = len(set(r["token_t_s"]))
+        assert 3.0 <= r["output_tokens"] / n_chunks <= 4.0, (r["output_tokens"], n_chunks)
+
+
 def test_steady_load_against_the_server(triton_server, tokenizer):
     from tokenrouter.tools import admin
 
@@ -441,3 +474,15 @@ def test_contention_table_splits_steps_by_overlap_with_the_other_model():
     assert row["batch_size"] == 2 and row["alone_s"] == 1.0 and row["during_s"] == 1.5 and row["ratio"] == 1.5
     assert row["n_alone"] == 1 and row["n_during"] == 1  # the half-overlapped step is in neither group
     assert contention_table(slm, llm, min_steps=2) == []  # the extend step is left out: too few steps
+
+
+def test_speculative_speedup_interval_is_paired_over_repeats():
+    from speculative import ratio_interval  # perf/
+
+    lo, mid, hi = ratio_interval([1.45, 1.40, 1.50])
+    assert mid == pytest.approx((1.45 * 1.40 * 1.50) ** (1 / 3))
+    # t-interval on the log scale, 2 degrees of freedom
+    sd = statistics.stdev([math.log(x) for x in (1.45, 1.40, 1.50)])
+    assert hi / mid == pytest.approx(math.exp(T975[2] * sd / math.sqrt(3)))
+    assert lo * hi == pytest.approx(mid * mid)
+    assert ratio_interval([1.2]) is None  # one repeat: no spread to measure
