@@ -42,6 +42,12 @@ run, so that routing, draft-verify and speculation meet on the same prompts; eve
 reports ``answers_per_s`` (requests completed in the windows per second), TTFT and end-to-end
 p50/p90 and its LLM-token share.
 
+The pair's models run on one torch thread each (``torch_threads`` 1), so that they step in
+parallel on two cores; LLM-only then leaves a core idle.  ``--llm-threads T`` adds the LLM as a
+user would serve it alone, on T threads: ``token_router_llm_t<T>``, served by ``llm_t<T>``, a
+copy of the LLM in the same server (its memory is loaded twice).  Ratios stay against
+``token_router_llm``; compare with this row too.
+
 ``best_k`` per N is the setting with the highest mean throughput (of all but LLM-only and SLM-only).  Raw results go to ``--out``
 (default ``perf/results/speculative-<pair>.json``).
 """
@@ -87,14 +93,14 @@ def ratio_interval(ratios, level: float = 0.95):
 
 
 def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duration: float, windows: int,
-                tokenizer, chat: bool = True, task: str = "humaneval") -> dict:
+                tokenizer, chat: bool = True, task: str = "humaneval", llm: str = "llm") -> dict:
     """One steady-state measurement of router model ``router`` at concurrency ``n`` (``chat``: the
     server applies the chat template; false for prompts rendered client-side).  The models'
     prefix caches are emptied first: every setting sends the same prompts from the first one on,
     and would otherwise find the previous setting's prompts cached."""
     from tokenrouter.tools import admin
 
-    for m in ("slm", "llm"):
+    for m in ("slm", llm):
         admin.flush(url, m)
     gen = triton_client(url, router, chat=chat)
     if not chat:  # a task's: requests stop as perf/quality.py's do (HumanEval: code block's end; EOS)
@@ -103,11 +109,15 @@ def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duratio
         gen = task_sampling(gen, task)
     load = SteadyLoad(gen, prompts, n, max_tokens, tokenizer=tokenizer).start()
     try:
-        m = load.measure(duration, windows, probe=lambda: model_counters(url, COUNTERS), since=load.t_started)
+        def probe():  # the counters of the setting's LLM, under the key "llm"
+            c = model_counters(url, COUNTERS, ("slm", llm))
+            return {"slm": c["slm"], "llm": c[llm]}
+
+        m = load.measure(duration, windows, probe=probe, since=load.t_started)
         records = load.snapshot()
     finally:
         load.stop(cancel=True)
-    res = window_summary(records, m["bounds"], probes=None, latencies="completed")
+    res = window_summary(records, m["bounds"], llm=llm, probes=None, latencies="completed")
     d = counter_deltas(m["probes"][0], m["probes"][-1])
     res["acceptance_rate"] = (d["llm"]["drafts_accepted"] / d["llm"]["drafts_verified"]
                               if d["llm"]["drafts_verified"] else None)
@@ -141,6 +151,10 @@ def main(argv=None) -> int:
                          "humaneval = HumanEval's 164 problems as perf/quality.py renders and stops them "
                          "(--max-tokens is then the cap); gsm-symbolic / math500: that task's test split")
     ap.add_argument("--slm-only", action="store_true", help="also measure the SLM alone (token_router_slm)")
+    ap.add_argument("--llm-threads", type=int, default=0, metavar="T",
+                    help="also measure the LLM alone on T torch threads (token_router_llm_t<T>, served by a copy "
+                         "llm_t<T> of the LLM; the pair's models run on one thread each, so that they step in "
+                         "parallel: this is the LLM as a user would serve it alone on T cores)")
     ap.add_argument("--router", action="append", default=[], metavar="NAME=ALGO[:JSON]",
                     help="another setting in the same run: a router model NAME (token_router_NAME) with algorithm "
                          "ALGO and its parameters, e.g. rstitch=rstitch:'{\"tau\": 0.05}' or "
@@ -176,6 +190,16 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-speculative-")
     repo = make_variant(str(ROOT / "model_repository"), os.path.join(tmp, "repo"), pair=a.pair,
                         model_params={"slm": pool, "llm": pool}, routers=routers)
+    llm_of = {name: "llm" for name in routers}  # the model each setting's counters are read from
+    if a.llm_threads > 0:
+        from tokenrouter.tools.repository import add_router
+
+        solo = f"llm_t{a.llm_threads}"
+        add_router(repo, solo, {"torch_threads": a.llm_threads}, src="llm")  # a copy of the LLM, T threads
+        name = f"token_router_{solo}"
+        routers[name] = {"algorithm": "none", "algorithm_params": '{"model": 1}', "models": f"slm,{solo}"}
+        add_router(repo, name, routers[name])
+        llm_of[name] = solo
     if a.prompts != "chat":
         from quality import router_tokenizer, task_prompts
 
@@ -196,7 +220,7 @@ def main(argv=None) -> int:
             for rep in range(a.repeats):
                 for name in routers:
                     r = run_setting(url, name, prompts, n, a.max_tokens, a.duration, a.windows, tokenizer,
-                                    chat=a.prompts == "chat", task=a.prompts)
+                                    chat=a.prompts == "chat", task=a.prompts, llm=llm_of[name])
                     per[name].append(r)
                     print(f"N={n} rep={rep} {name:14s} {r['throughput_tok_s']:7.2f} tok/s  "
                           f"{r['requests_per_s']:.4f} answers/s  LLM share {r.get('llm_share')}  "
@@ -242,7 +266,8 @@ def main(argv=None) -> int:
                         row.update(verify_over_decode=t_ver / t_dec,
                                    speedup_bound=tpr * t_dec / (k * t_dr + t_ver))
                 summary[name] = row
-            best = max((nm for nm in summary if nm not in ("token_router_llm", "token_router_slm")),
+            best = max((nm for nm in summary if nm not in ("token_router_llm", "token_router_slm")
+                        and not nm.startswith("token_router_llm_t")),
                        key=lambda nm: summary[nm]["throughput_tok_s"], default="token_router_llm")
             results[str(n)] = {"settings": summary, "best": best}
             print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
