@@ -49,8 +49,9 @@ def plot(report: dict, png: Path, title: str) -> None:
         for k in report.get("kills", []):
             ax.axvline(k["t_s"] / 60, color="red" if k["model"] + "_0_0" == name else "0.8", lw=0.8, ls="--")
         w = report["rss"]["summary"].get(name, {})
-        rng = f"last {report['rss']['window_s'] / 60:.0f} min: range {w['window_range_mb']:.0f} MiB" \
-            if "window_range_mb" in w else ""
+        rng = (f"last {report['rss']['window_s'] / 60:.0f} min: one process's range "
+               f"{w.get('process_range_mb', w['window_range_mb']):.0f} MiB, all its processes' "
+               f"{w['window_range_mb']:.0f} MiB") if "window_range_mb" in w else ""
         ax.set_ylabel("RSS (MiB)")
         ax.set_title(f"{name}  {rng}", fontsize=9, loc="left")
         ax.grid(alpha=0.3)
@@ -81,13 +82,22 @@ def main(argv=None) -> int:
                     help="an extra deploy/serve argument (repeatable), e.g. --serve-arg=--no-curve")
     ap.add_argument("--out", default="", help="results JSON (default perf/results/<date>-soak-<pair>.json)")
     ap.add_argument("--plot", default="", help="plot PNG (default docs/img/soak-memory-<pair>.png)")
-    ap.add_argument("--plot-only", default="", metavar="JSON", help="redraw the plot of a results file and exit")
+    ap.add_argument("--plot-only", default="", metavar="JSON", help="summarise a results file's samples again (into it) and redraw its plot, then exit")
     a = ap.parse_args(argv)
 
     png = Path(a.plot or ROOT / "docs" / "img" / f"soak-memory-{a.pair}.png")
-    if a.plot_only:
-        rep = json.loads(Path(a.plot_only).read_text())
+    if a.plot_only:  # the summaries computed again from the samples (this version's figures), and the plot
+        from tokenrouter.tools import memwatch
+
+        path = Path(a.plot_only)
+        rep = json.loads(path.read_text())
+        r = rep["rss"]
+        settle = max(r["warmup_s"], 60.0)
+        r["summary"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle)
+        r["summary_anon"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle, key="anon_mb")
+        path.write_text(json.dumps(rep, indent=1))
         plot(rep, png, rep.get("title", ""))
+        print(json.dumps({"rss": r["summary"], "anon": r["summary_anon"]}, indent=1))
         print(png)
         return 0
     out = Path(a.out or ROOT / "perf" / "results" / f"{datetime.date.today()}-soak-{a.pair}.json")

@@ -30,6 +30,19 @@ def test_summary_leaves_out_warmup_and_restarts():
     assert anon["window_max_mb"] == 405
 
 
+def test_process_range_is_one_pids_and_the_window_range_spans_restarts():
+    # the first process levels off at 500, its successor (restarted at 300 s) at 560: 60 MiB apart,
+    # neither grows by more than 4 MiB; the range of one process is the growth figure
+    s = _samples([(0, 480, 1), (100, 500, 1), (200, 504, 1), (300, 10, 2), (400, 558, 2), (500, 560, 2),
+                  (600, 561, 2)])
+    d = memwatch.summarize(s, warmup_s=100, window_s=1000, settle_s=100)["m"]
+    assert d["window_range_mb"] == 61 and (d["window_min_mb"], d["window_max_mb"]) == (500, 561)
+    assert d["process_range_mb"] == 4 and d["process_span_s"] == 100  # pid 1, 100-200 s
+    # a process that grows inside the window
+    g = memwatch.summarize(_samples([(t, 500 + t / 10, 3) for t in range(0, 1001, 100)]), 0, 600)["m"]
+    assert g["process_range_mb"] == g["window_range_mb"] == 60 and g["process_span_s"] == 600
+
+
 def test_slope_is_per_hour_and_window_is_the_tail():
     s = _samples([(t, 1000 + t / 36, 7) for t in range(0, 3601, 60)])  # +100 MiB an hour
     d = memwatch.summarize(s, warmup_s=0, window_s=600)["m"]

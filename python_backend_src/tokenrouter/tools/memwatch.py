@@ -141,8 +141,12 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
 
     Returns:
         ``{name: {"start_mb", "after_warmup_mb", "end_mb", "window_min_mb", "window_max_mb",
-        "window_range_mb", "slope_mb_per_h", "restarts", "samples"}}``; the window and slope keys
-        are absent for a process with fewer than 2 samples in them.
+        "window_range_mb", "process_range_mb", "process_span_s", "slope_mb_per_h", "restarts",
+        "samples"}}``.  ``window_range_mb`` spans every incarnation of the name in the window (a
+        restarted stub is a new process, loaded anew); ``process_range_mb`` is the largest range of
+        any one process (one pid) in the window, over ``process_span_s`` seconds of its samples: the
+        growth of a running process.  The window and slope keys are absent for a process with
+        fewer than 2 samples in them.
     """
     names = sorted({n for s in samples for n in s.get(key, {})})
     end_t = max((s["t_s"] for s in samples), default=0.0)
@@ -150,20 +154,29 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
     for name in names:
         series = [(s["t_s"], s[key][name], s["pid"].get(name)) for s in samples if name in s.get(key, {})]
         restarts, last_pid, restarted_at = 0, series[0][2], -1e18
-        kept = []
+        kept, life = [], []  # life: the incarnation (restart count) of each kept sample
         for t, r, pid in series:
             if pid != last_pid:
                 restarts, last_pid, restarted_at = restarts + 1, pid, t
             if t >= warmup_s and t - restarted_at >= settle_s:
                 kept.append((t, r))
+                life.append(restarts)
         d: Dict[str, float] = {"start_mb": series[0][1], "end_mb": series[-1][1], "restarts": restarts,
                                "samples": len(series)}
         if kept:
             d["after_warmup_mb"] = kept[0][1]
-        win = [(t, r) for t, r in kept if t >= end_t - window_s]
+        win = [(t, r, i) for (t, r), i in zip(kept, life) if t >= end_t - window_s]
         if len(win) >= 2:
-            ys = [r for _, r in win]
+            ys = [r for _, r, _i in win]
             d.update(window_min_mb=min(ys), window_max_mb=max(ys), window_range_mb=round(max(ys) - min(ys), 1))
+            lives = {}
+            for t, r, i in win:
+                lives.setdefault(i, []).append((t, r))
+            spans = [v for v in lives.values() if len(v) >= 2]
+            if spans:
+                widest = max(spans, key=lambda v: max(r for _, r in v) - min(r for _, r in v))
+                d.update(process_range_mb=round(max(r for _, r in widest) - min(r for _, r in widest), 1),
+                         process_span_s=round(widest[-1][0] - widest[0][0], 1))
         if len(kept) >= 2:
             d["slope_mb_per_h"] = round(_slope_per_h([t for t, _ in kept], [r for _, r in kept]), 1)
         out[name] = d

@@ -258,8 +258,10 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         hostile_mib: size of the oversized prompt (MiB).
         rss_every_s: with ``server_pid``, sample every process's resident memory this often (s;
             0 = only at the start and the end) into ``rss`` (:mod:`tokenrouter.tools.memwatch`).
-        warmup_s, window_s: the samples before ``warmup_s`` are warm-up; the flatness figure is
-            each process's range over the last ``window_s`` seconds.
+        warmup_s, window_s: the samples before ``warmup_s`` (and a restarted stub's first
+            ``warmup_s``) are warm-up; the flatness figure is each process's range over the last
+            ``window_s`` seconds (:func:`~tokenrouter.tools.memwatch.summarize`: one pid's range, a
+            restarted stub being a new process; the range across its processes is reported too).
         rss_tolerance_mb: a process whose range over that window exceeds this (MiB) fails the
             soak (0 = report only).
 
@@ -390,11 +392,13 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                         "summary_anon": memwatch.summarize(samples, warmup_s, window_s, max(warmup_s, 60.0),
                                                            key="anon_mb"),
                         "samples": samples}
-        for name, d in summary.items():
-            if rss_tolerance_mb and d.get("window_range_mb", 0.0) > rss_tolerance_mb:
-                problems.append(f"{name} grew: its resident memory ranged over {d['window_range_mb']} MiB in "
-                                f"the last {window_s:.0f} s (min {d['window_min_mb']}, max {d['window_max_mb']}; "
-                                f"the tolerance is {rss_tolerance_mb} MiB)")
+        for name, d in summary.items():  # growth of a running process: a restarted stub is a new one
+            grown = d.get("process_range_mb", d.get("window_range_mb", 0.0))
+            if rss_tolerance_mb and grown > rss_tolerance_mb:
+                problems.append(f"{name} grew: one process's resident memory ranged over {grown} MiB in "
+                                f"{d.get('process_span_s', window_s):.0f} s of the last {window_s:.0f} s (all its "
+                                f"processes: min {d['window_min_mb']}, max {d['window_max_mb']}; the tolerance is "
+                                f"{rss_tolerance_mb} MiB)")
         if not kill_stub:
             restarted = [m for m, pid in pids_start.items() if find_stub(server_pid, m) != pid]
             if restarted:
