@@ -151,6 +151,9 @@ def main(argv=None) -> int:
                          "humaneval = HumanEval's 164 problems as perf/quality.py renders and stops them "
                          "(--max-tokens is then the cap); gsm-symbolic / math500: that task's test split")
     ap.add_argument("--slm-only", action="store_true", help="also measure the SLM alone (token_router_slm)")
+    ap.add_argument("--model-param", action="append", default=[], metavar="KEY=VALUE",
+                    help="a parameter of both models' config.pbtxt for the whole run, e.g. "
+                         "cpu_linear_row_buckets=false (repeatable)")
     ap.add_argument("--llm-threads", type=int, default=0, metavar="T",
                     help="also measure the LLM alone on T torch threads (token_router_llm_t<T>, served by a copy "
                          "llm_t<T> of the LLM; the pair's models run on one thread each, so that they step in "
@@ -187,6 +190,11 @@ def main(argv=None) -> int:
         routers["token_router_spec_adaptive"] = {"algorithm": "speculative", "algorithm_params": json.dumps(
             {"k": max(ks), "adaptive": True, "k_max": a.k_max})}
     pool = {"kv_pool_tokens": str(a.kv_pool_tokens), "max_running_requests": str(max(64, 2 * max(ns)))}
+    for kv in a.model_param:
+        key, eq, value = kv.partition("=")
+        if not eq or not key:
+            ap.error(f"--model-param takes KEY=VALUE, got {kv!r}")
+        pool[key.strip()] = value.strip()
     tmp = tempfile.mkdtemp(prefix="bench-speculative-")
     repo = make_variant(str(ROOT / "model_repository"), os.path.join(tmp, "repo"), pair=a.pair,
                         model_params={"slm": pool, "llm": pool}, routers=routers)
@@ -273,7 +281,7 @@ def main(argv=None) -> int:
             print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
     out = a.out or str(ROOT / "perf" / "results" / f"speculative-{a.pair}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    meta = {"pair": a.pair, "prompts": a.prompts, "concurrency": ns, "k": ks, "max_tokens": a.max_tokens, "duration_s": a.duration,
+    meta = {"pair": a.pair, "model_params": pool, "prompts": a.prompts, "concurrency": ns, "k": ks, "max_tokens": a.max_tokens, "duration_s": a.duration,
             "windows": a.windows, "repeats": a.repeats, "routers": routers, "started": t_start,
             "command": "python perf/speculative.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     with open(out, "w") as f:

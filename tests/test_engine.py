@@ -162,6 +162,33 @@ def test_cpu_prepacked_linear_weights_give_the_same_logits(engine, monkeypatch):
     assert engine.kv_tokens_in_use() == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_linear_row_buckets(dtype):
+    """A prepacked linear layer pads a call's rows to a few sizes (row_bucket) and returns the same
+    rows as without padding; the sizes are few, so oneDNN's per-shape kernels stay cached."""
+    from types import SimpleNamespace
+
+    from tokenrouter.engine.cpu.linear import _PrepackedLinear, row_bucket
+
+    assert [row_bucket(n) for n in (1, 7, 16, 17, 32, 33, 256, 257, 1024, 1025)] == \
+        [1, 7, 16, 32, 32, 48, 256, 320, 1024, 1280]
+    assert len({row_bucket(n) for n in range(1, 1025)}) == 16 + 15 + 12
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    torch.manual_seed(0)
+    w = torch.randn(96, 64, dtype=dtype)
+    packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
+    orig = SimpleNamespace(apply=lambda layer, x, bias=None: torch.nn.functional.linear(x, w, bias))
+    on, off = _PrepackedLinear(orig, packed, False, True), _PrepackedLinear(orig, packed, False, False)
+    for rows in (1, 5, 17, 40, 300):
+        x = torch.randn(rows, 64, dtype=dtype)
+        a, b = on.apply(None, x), off.apply(None, x)
+        assert a.shape == b.shape == (rows, 96)
+        assert torch.allclose(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+        x3 = x.view(1, rows, 64)  # [..., in] shapes keep their leading dimensions
+        assert on.apply(None, x3).shape == (1, rows, 96)
+
+
 def test_cpu_attention_matches_sglang(engine):
     """The batched CPU attention gives SGLang torch_native's logits.
 

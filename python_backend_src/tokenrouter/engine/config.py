@@ -77,6 +77,10 @@ class EngineConfig:
         "CPU only: capacity of PyTorch's and oneDNN's per-shape primitive caches "
         "(:func:`tokenrouter.engine.cpu.kernel_caches.bound_kernel_caches`); each new step shape adds an "
         "entry, so with the libraries' default (1,024 each; 0 here) a server's memory creeps up for hours"))
+    cpu_linear_row_buckets: bool = param(True, doc=(
+        "CPU only, packed linear weights: a step's rows are padded to one of about 50 sizes "
+        "(:func:`tokenrouter.engine.cpu.linear.row_bucket`) so that those caches keep each shape's "
+        "kernel; false computes every row count as it comes (new kernels for most routed steps)"))
     kernel_cache_warmup_tokens: int = param(0, unit="tokens", ge=0, doc=(
         "CPU only: at load, one step of each length 1..n tokens fills those caches, so that a model's "
         "memory when it turns ready is the memory it keeps (load time grows by about n short steps); "

@@ -141,7 +141,8 @@ class SGLangEngine(KVSlots):
         self.prepacked_layers = 0
         if not on_gpu and cfg.cpu_linear_weights != "rowmajor":
             self.prepacked_layers = cpu.prepack_linear_weights(
-                self.runner.model, batch_hint=8, keep_rowmajor=cfg.cpu_linear_weights == "dual")
+                self.runner.model, batch_hint=8, keep_rowmajor=cfg.cpu_linear_weights == "dual",
+                row_buckets=cfg.cpu_linear_row_buckets)
 
 
     # --------------------------------------------------------------- forward
