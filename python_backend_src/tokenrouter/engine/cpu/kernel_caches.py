@@ -10,8 +10,11 @@ sets both capacities (before the process's first oneDNN call: both libraries rea
 :func:`warm_kernel_caches` fills them at load with steps of 1..n tokens, so that the memory a model
 has when it turns ready is the memory it keeps.
 
-Decode steps reuse a few shapes (1..``max_running_requests`` rows) and stay in the LRU caches;
-prompt lengths are mostly new anyway, so a smaller bound costs little: see docs/reliability.md, "Memory over time".
+The prepacked linear layers pad a step's rows to one of about 50 sizes
+(:func:`tokenrouter.engine.cpu.linear.row_bucket`), so that the kernels of those sizes serve every
+step within the bound; without the buckets, routed steps (decode rows plus resume extends of a
+few tokens) meet a new row count most steps and thrash the caches.  See docs/reliability.md,
+"Memory over time", and ``perf/kernel_cache_step.py``.
 """
 
 from __future__ import annotations
