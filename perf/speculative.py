@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -73,23 +72,22 @@ COUNTERS = ("forward_s", "steps", "verifications", "drafts_verified", "drafts_ac
             "step_time_s")
 
 
-def ratio_interval(ratios, level: float = 0.95):
-    """The geometric mean of paired ratios with its t-interval on the log scale.
+def ratio_interval(ratios):
+    """The geometric mean of paired ratios with its 95 % t-interval on the log scale
+    (:func:`bench_matrix.ratio_interval`'s paired case).
 
     Args:
         ratios: positive floats, one per repeat (a setting's tokens/s over LLM-only's of the same repeat).
-        level: the interval's coverage.
     Returns:
         ``[low, geo_mean, high]``, or None for fewer than two ratios (no spread to measure).
     """
-    xs = [math.log(r) for r in ratios if r and r > 0]
+    xs = [r for r in ratios if r and r > 0]
     if len(xs) < 2:
         return None
-    from scipy import stats
+    from bench_matrix import ratio_interval as paired
 
-    m, s = statistics.fmean(xs), statistics.stdev(xs)
-    h = stats.t.ppf(0.5 + level / 2, len(xs) - 1) * s / math.sqrt(len(xs))
-    return [math.exp(m - h), math.exp(m), math.exp(m + h)]
+    mid, low, high = paired({"throughput_repeats": xs}, {"throughput_repeats": [1.0] * len(xs)})
+    return [low, mid, high]
 
 
 def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duration: float, windows: int,
