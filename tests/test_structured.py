@@ -18,6 +18,7 @@ import concurrent.futures as cf
 import json
 import os
 import re
+import threading
 import time
 from types import SimpleNamespace
 
@@ -133,6 +134,28 @@ def test_compile_errors_name_the_field_and_are_cached(compiler):
         comp.compile(spec, timeout_s=10)
     ok = GuidedSpec("regex", "[a-z]+", "f")
     assert comp.compile(ok) is comp.compile(ok)  # cached
+
+
+def test_compile_waiting_behind_others_is_refused_once(compiler):
+    """A compile that cannot get a worker within its limit is refused as busy, not remembered."""
+    from tokenrouter.engine.detok import stop_token_ids
+    from tokenrouter.engine.grammar import GrammarCompiler, GrammarTimeout, GuidedSpec
+
+    tok, _ = compiler
+    comp = GrammarCompiler(tok, len(tok), stop_token_ids(tok), workers=1).start()
+    comp.compile(GuidedSpec("regex", "a", "f"))  # vocabulary ready
+    slow = GuidedSpec("json", json.dumps(SLOW), "f.json")
+    first = threading.Thread(target=comp.compile, args=(slow,))
+    first.start()
+    while comp._submitted == 0:  # the slow one holds the only worker (or is next for it)
+        time.sleep(0.001)
+    digits = GuidedSpec("regex", "[0-9]+", "f.regex")
+    with pytest.raises(GrammarTimeout, match="busy with other new grammars"):
+        comp.compile(digits, timeout_s=0.05)
+    first.join()
+    assert comp.compile(slow) is comp.compile(slow)
+    assert comp.compile(digits, timeout_s=10) is not None  # refused that once only
+    assert comp.counters["busy"] == 1 and comp.counters["timeouts"] == 0
 
 
 def test_request_grammar_follows_rollbacks_and_masks_drafts(compiler):

@@ -193,6 +193,12 @@ class GrammarTimeout(ValueError):
     """A grammar took longer than the compile limit (``grammar_compile_timeout_ms``)."""
 
 
+class _Start(threading.Event):
+    """Set when a compile leaves the queue; ``at``: when (``time.monotonic()`` seconds)."""
+
+    at = 0.0
+
+
 class GrammarCompiler:
     """One process's grammar compiler: the tokenizer's vocabulary for xgrammar, compiled grammars
     cached by spec (least recently used first out).  Thread-safe.
@@ -227,7 +233,8 @@ class GrammarCompiler:
         self._compiler = None
         self._init_error: Optional[BaseException] = None
         self._started = False
-        self._running_since: Dict[GuidedSpec, float] = {}  # compiles under way: their start (monotonic)
+        self._workers = int(workers)
+        self._submitted = 0  # compiles queued or running
         self.counters = collections.Counter()
 
     def start(self) -> "GrammarCompiler":
@@ -272,10 +279,11 @@ class GrammarCompiler:
 
         Args:
             spec: what to compile.
-            timeout_s: the most seconds the compile itself may take (the wait for the vocabulary
-                is not counted); None: no limit.  A compile past it goes on in the background,
-                but its spec is refused from then on; one that waited that long behind other
-                compiles is refused this time only.
+            timeout_s: the most seconds the compile itself may take, counted from its start
+                (the wait for the vocabulary is not counted); None: no limit.  A compile past it
+                goes on in the background, but its spec is refused from then on.  The wait for a
+                free worker behind other compiles is bounded by ``timeout_s`` too; one refused
+                for that is refused this time only.
 
         Raises:
             ValueError: the schema, regex or grammar does not compile (xgrammar's reason), naming
@@ -295,20 +303,32 @@ class GrammarCompiler:
         self._ready.wait()
         if self._init_error is not None:
             raise RuntimeError(f"constrained decoding is unavailable: {self._init_error}")
-        fut = self._pool.submit(self._compile_now, spec)
+        with self._lock:
+            free = self._submitted < self._workers  # a worker is free: no wait behind others
+            self._submitted += 1
+        started = _Start()
+        fut = self._pool.submit(self._compile_now, spec, started)
+        fut.add_done_callback(self._count_done)
+        # the wait for a worker is bounded by timeout_s too, unless one was free (a slow thread
+        # start on a loaded host is not another grammar's fault)
+        if not started.wait(timeout=None if free else timeout_s):
+            fut.cancel()
+            self.counters["busy"] += 1
+            raise GrammarTimeout(f"{spec.field}: the grammar compiler is busy with other new grammars "
+                                 f"(grammar_compile_timeout_ms); retry later")
         try:
-            return fut.result(timeout=timeout_s)
+            return fut.result(timeout=None if timeout_s is None
+                              else max(0.0, started.at + timeout_s - time.monotonic()))
         except FutureTimeout:
-            with self._lock:
-                since = self._running_since.get(spec)
-            if since is None or time.monotonic() - since < timeout_s:  # it waited behind other compiles
-                raise GrammarTimeout(f"{spec.field}: the grammar compiler is busy with other new grammars "
-                                     f"(grammar_compile_timeout_ms); retry later") from None
             msg = (f"the grammar did not compile within {timeout_s * 1000:.0f} ms "
                    f"(grammar_compile_timeout_ms); simplify it")
             self._remember_failure(spec, msg)
             self.counters["timeouts"] += 1
             raise GrammarTimeout(f"{spec.field}: {msg}") from None
+
+    def _count_done(self, _fut: Any) -> None:
+        with self._lock:
+            self._submitted -= 1
 
     def _remember_failure(self, spec: GuidedSpec, msg: str) -> None:
         with self._lock:
@@ -316,18 +336,13 @@ class GrammarCompiler:
             while len(self._failed) > self.cache_size:
                 self._failed.popitem(last=False)
 
-    def _compile_now(self, spec: GuidedSpec) -> Any:
+    def _compile_now(self, spec: GuidedSpec, started: "_Start") -> Any:
+        started.at = time.monotonic()
+        started.set()
         cg = self.cached(spec)  # compiled while this one waited for a worker
         if cg is not None:
             return cg
-        t0 = time.perf_counter()
-        with self._lock:
-            self._running_since[spec] = time.monotonic()
-        try:
-            return self._compile_spec(spec, t0)
-        finally:
-            with self._lock:
-                self._running_since.pop(spec, None)
+        return self._compile_spec(spec, time.perf_counter())
 
     def _compile_spec(self, spec: GuidedSpec, t0: float) -> Any:
         c = self._compiler
