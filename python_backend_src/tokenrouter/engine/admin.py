@@ -59,7 +59,9 @@ class AdminOpsMixin:
         send_s (streaming responses to the router); the delayed-batching settings
         delayed_batch_size (B_i) and delayed_batch_max_wait_us; prefill_chunks (partial
         prefills run: one per request and step whose new tokens did not all fit the step's
-        ``prefill_chunk_tokens`` budget) and that setting; the prefix cache's sizes and
+        ``prefill_chunk_tokens`` budget) and that setting; ``malloc_trims``, ``malloc_trim_s`` and
+        ``malloc_trim_released_bytes`` (freed host memory given back: ``malloc_trim_interval_s``,
+        :class:`~tokenrouter.engine.host_memory.HostMemoryTrimmer`); the prefix cache's sizes and
         counters in tokens (``prefix_cache_*``, ``kv_tokens_allocated``: see
         ``SGLangEngine.prefix_cache_stats``; ``kv_tokens_in_use`` leaves out what only the
         cache holds); guided decoding's ``guided_requests`` and ``grammar_*`` counters
@@ -94,6 +96,9 @@ class AdminOpsMixin:
                 "delayed_batch_size": self.config.delayed_batch_size,
                 "delayed_batch_max_wait_us": int(round(self.config.max_wait_s * 1e6)),
                 "prefill_chunk_tokens": self.config.prefill_chunk_tokens,
+                "malloc_trims": self.trimmer.trims,
+                "malloc_trim_s": self.trimmer.seconds,
+                "malloc_trim_released_bytes": self.trimmer.released_bytes,
                 **self.engine.prefix_cache_stats(),
                 **self.constrained.stats(),
             }

@@ -127,6 +127,10 @@ class SubserverConfig:
         "``extras['queue_timeout_s']`` (the router's) lowers it; 0: no limit"))
     max_queued_requests: int = param(256, unit="requests", ge=0, doc=(
         "most requests waiting for KV; one more is refused at once as busy"))
+    malloc_trim_interval_s: float = param(30.0, unit="s", ge=0, doc=(
+        "the decode loop gives the memory its C library keeps freed back to the system (glibc's "
+        "``malloc_trim``, between steps) at most this often, so that the process's resident size "
+        "does not creep up with traffic (:mod:`tokenrouter.engine.host_memory`); 0: never"))
 
     def __post_init__(self) -> None:
         check_ranges(self)

@@ -35,6 +35,7 @@ from .admin import AdminOpsMixin
 from .admission import AdmissionMixin
 from .config import SubserverConfig
 from .constrained import ConstrainedDecoding
+from .host_memory import HostMemoryTrimmer
 from .inbox import LoopCall, Release, Stop, Submit, SubmitGroup
 from .lockstep import LockStep
 from .output_processor import OutputProcessorMixin
@@ -92,6 +93,7 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         self.inbox: "queue.Queue" = queue.Queue()  # Submit, SubmitGroup, Release, LoopCall, Stop
         self.strategy: DecodeStrategy = self._choose_strategy()
         self.counters = collections.Counter()
+        self.trimmer = HostMemoryTrimmer(self.config.malloc_trim_interval_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{self.name}", daemon=True)
         self._thread.start()
@@ -166,6 +168,7 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
                 if self._wait_deadline:
                     self._expire_waiting()
                 self.strategy.run(self, self._step)
+                self._trim_host_memory()
                 if not self.ready and self.on_idle is not None:
                     self.on_idle()
             except Exception:  # noqa: BLE001 - the loop must survive anything
@@ -173,6 +176,12 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
                 self._fail_all("internal error in the decode loop of model " + self.name)
         for rid in list(self.requests):
             self._release(rid, "cancelled", "server shutting down")
+
+    def _trim_host_memory(self) -> None:
+        """Give freed host memory back at most every ``malloc_trim_interval_s`` (between steps)."""
+        if self.trimmer.interval_s != self.config.malloc_trim_interval_s:  # reconfigured
+            self.trimmer = HostMemoryTrimmer(self.config.malloc_trim_interval_s)
+        self.trimmer.maybe_trim()
 
     def _handle(self, msg) -> None:
         match msg:
