@@ -93,8 +93,12 @@ def main(argv=None) -> int:
         rep = json.loads(path.read_text())
         r = rep["rss"]
         settle = max(r["warmup_s"], 60.0)
-        r["summary"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle)
-        r["summary_anon"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle, key="anon_mb")
+        # the load's end on the samples' clock; files written before it was recorded have the load's
+        # wall time, which began a second or so after the first sample
+        until = r.get("traffic_end_s", rep.get("seconds"))
+        r["summary"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle, until_s=until)
+        r["summary_anon"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle, key="anon_mb",
+                                               until_s=until)
         path.write_text(json.dumps(rep, indent=1))
         plot(rep, png, rep.get("title", ""))
         print(json.dumps({"rss": r["summary"], "anon": r["summary_anon"]}, indent=1))
@@ -119,8 +123,9 @@ def main(argv=None) -> int:
                        rss_tolerance_mb=a.tolerance_mb, request_timeout_s=600)
     finally:
         subprocess.run([*serve, "--stop"], check=False)
-    rep["title"] = (f"soak, pair {a.pair}, N = {a.concurrency}, {a.seconds / 60:.0f} min, "
-                    f"a kill every {a.kill_every / 60:.0f} min, {a.hostile_fraction:.0%} hostile")
+    kills = f"a kill every {a.kill_every / 60:.0f} min" if a.kill_every else "no kills"
+    rep["title"] = (f"soak, pair {a.pair}, N = {a.concurrency}, {a.seconds / 60:.0f} min, {kills}, "
+                    f"{a.hostile_fraction:.0%} hostile")
     rep["command"] = "python perf/soak_memory.py " + " ".join(argv if argv is not None else sys.argv[1:])
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(rep, indent=1))

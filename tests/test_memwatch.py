@@ -50,6 +50,16 @@ def test_slope_is_per_hour_and_window_is_the_tail():
     assert d["window_range_mb"] == pytest.approx(600 / 36, abs=0.2)
 
 
+def test_samples_after_the_load_count_for_the_end_only():
+    # flat under load until 600 s; idle afterwards, the process gives 120 MiB back
+    s = _samples([(0, 500, 1), (100, 520, 1), (300, 525, 1), (600, 522, 1), (660, 400, 1)])
+    d = memwatch.summarize(s, warmup_s=100, window_s=1000, until_s=610)["m"]
+    assert d["end_mb"] == 400 and d["window_range_mb"] == d["process_range_mb"] == 5
+    assert d["process_span_s"] == 500
+    every = memwatch.summarize(s, warmup_s=100, window_s=1000)["m"]
+    assert every["window_range_mb"] == 125  # the drop after the load counted as a range
+
+
 def test_processes_of_a_server_and_their_memory(tmp_path):
     # a fake server: a parent whose child runs under the stub's program name with an instance argument
     stub = tmp_path / "triton_python_backend_stub"

@@ -99,6 +99,10 @@ class RSSSampler:
         self.samples.append(s)
         return s
 
+    def elapsed_s(self) -> float:
+        """Seconds since :meth:`start` on the samples' clock (``t_s``)."""
+        return time.monotonic() - self._t0
+
     def start(self) -> "RSSSampler":
         self._t0 = time.monotonic()
         self.sample()
@@ -128,7 +132,8 @@ def _slope_per_h(ts: Sequence[float], ys: Sequence[float]) -> float:
 
 
 def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: float,
-              settle_s: float = 0.0, key: str = "rss_mb") -> Dict[str, Dict[str, float]]:
+              settle_s: float = 0.0, key: str = "rss_mb",
+              until_s: Optional[float] = None) -> Dict[str, Dict[str, float]]:
     """Per process: RSS at the start, after warm-up and at the end, and over the last window.
 
     Args:
@@ -138,6 +143,9 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
         settle_s: after a process restarts (its pid changed), its samples for this long (s) are
             left out too: a reloading model grows from nothing to its loaded size.
         key: the samples' figure to summarise: ``"rss_mb"`` or ``"anon_mb"``.
+        until_s: the end of the load (s, on the samples' clock): later samples (a server left idle,
+            which gives memory back) count for ``end_mb`` only, not for the window and slope;
+            None: every sample counts.
 
     Returns:
         ``{name: {"start_mb", "after_warmup_mb", "end_mb", "window_min_mb", "window_max_mb",
@@ -150,6 +158,8 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
     """
     names = sorted({n for s in samples for n in s.get(key, {})})
     end_t = max((s["t_s"] for s in samples), default=0.0)
+    if until_s is not None:
+        end_t = min(end_t, until_s)
     out: Dict[str, Dict[str, float]] = {}
     for name in names:
         series = [(s["t_s"], s[key][name], s["pid"].get(name)) for s in samples if name in s.get(key, {})]
@@ -158,7 +168,7 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
         for t, r, pid in series:
             if pid != last_pid:
                 restarts, last_pid, restarted_at = restarts + 1, pid, t
-            if t >= warmup_s and t - restarted_at >= settle_s:
+            if warmup_s <= t <= end_t and t - restarted_at >= settle_s:
                 kept.append((t, r))
                 life.append(restarts)
         d: Dict[str, float] = {"start_mb": series[0][1], "end_mb": series[-1][1], "restarts": restarts,

@@ -334,6 +334,7 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     for t in threads:
         t.join(seconds + request_timeout_s + 60)
     kill_stop.set()
+    traffic_end_s = sampler.elapsed_s() if sampler is not None else None
     wall = time.monotonic() - t0
     problems: List[str] = []
     if any(t.is_alive() for t in threads):
@@ -387,10 +388,14 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     if server_pid:
         extra["stub_rss_mb"] = {"start": rss_start, "end": stub_rss_mb(server_pid, [*models, router])}
         samples = sampler.stop()
-        summary = memwatch.summarize(samples, warmup_s, window_s, settle_s=max(warmup_s, 60.0))
-        extra["rss"] = {"every_s": rss_every_s, "warmup_s": warmup_s, "window_s": window_s, "summary": summary,
+        # the flatness figures cover the load; the samples after it (checks, the last kill's
+        # recovery) show what an idle server gives back, in end_mb
+        summary = memwatch.summarize(samples, warmup_s, window_s, settle_s=max(warmup_s, 60.0),
+                                     until_s=traffic_end_s)
+        extra["rss"] = {"every_s": rss_every_s, "warmup_s": warmup_s, "window_s": window_s,
+                        "traffic_end_s": round(traffic_end_s, 1), "summary": summary,
                         "summary_anon": memwatch.summarize(samples, warmup_s, window_s, max(warmup_s, 60.0),
-                                                           key="anon_mb"),
+                                                           key="anon_mb", until_s=traffic_end_s),
                         "samples": samples}
         for name, d in summary.items():  # growth of a running process: a restarted stub is a new one
             grown = d.get("process_range_mb", d.get("window_range_mb", 0.0))
