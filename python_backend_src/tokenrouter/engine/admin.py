@@ -137,4 +137,5 @@ class AdminOpsMixin:
             for k, v in changes.items():
                 setattr(self.config, k, v)
             self.strategy = self._choose_strategy()
+            self.trimmer.interval_s = self.config.malloc_trim_interval_s
         self.call(job)

@@ -60,27 +60,31 @@ class HostMemoryTrimmer:
         clock: monotonic clock in seconds (tests pass their own).
 
     Attributes:
+        interval_s: the setting (may be changed between calls).
         trims: trims done.
         seconds: seconds spent in them (wall clock).
         released_bytes: resident anonymous memory given back, summed over trims (bytes, each
             trim's drop of ``RssAnon``; 0 when it did not drop).
-        available: whether the C library has ``malloc_trim`` (glibc).
     """
 
     def __init__(self, interval_s: float, clock: Callable[[], float] = time.monotonic):
         self.interval_s = float(interval_s)
         self._clock = clock
-        self._trim = _load_malloc_trim() if self.interval_s > 0 else None
-        self.available = self._trim is not None
+        self._trim = _load_malloc_trim()
         self._last = clock()
         self.trims = 0
         self.seconds = 0.0
         self.released_bytes = 0
 
+    @property
+    def available(self) -> bool:
+        """Whether trimming is on: ``interval_s`` > 0 and the C library has ``malloc_trim`` (glibc)."""
+        return self._trim is not None and self.interval_s > 0
+
     def maybe_trim(self) -> bool:
         """Trim if ``interval_s`` has passed since the last trim (or since the start); returns
         whether it trimmed."""
-        if self._trim is None or self._clock() - self._last < self.interval_s:
+        if not self.available or self._clock() - self._last < self.interval_s:
             return False
         before = resident_anonymous_bytes()
         t0 = time.perf_counter()

@@ -168,7 +168,7 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
                 if self._wait_deadline:
                     self._expire_waiting()
                 self.strategy.run(self, self._step)
-                self._trim_host_memory()
+                self.trimmer.maybe_trim()
                 if not self.ready and self.on_idle is not None:
                     self.on_idle()
             except Exception:  # noqa: BLE001 - the loop must survive anything
@@ -176,12 +176,6 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
                 self._fail_all("internal error in the decode loop of model " + self.name)
         for rid in list(self.requests):
             self._release(rid, "cancelled", "server shutting down")
-
-    def _trim_host_memory(self) -> None:
-        """Give freed host memory back at most every ``malloc_trim_interval_s`` (between steps)."""
-        if self.trimmer.interval_s != self.config.malloc_trim_interval_s:  # reconfigured
-            self.trimmer = HostMemoryTrimmer(self.config.malloc_trim_interval_s)
-        self.trimmer.maybe_trim()
 
     def _handle(self, msg) -> None:
         match msg:
