@@ -18,7 +18,8 @@ process (the libraries read the capacities once):
 * ``caches 256 + buckets``: the default bound with rows padded to ``row_bucket`` (the default).
 
 Reported per setting: the mean and p50/p90 step time (ms) after a warm-up pass over the same row
-counts, and the process's resident memory.  Raw JSON to ``--out``.
+counts, the process's resident memory, and its anonymous part before and after one
+``malloc_trim(0)`` (what the models' ``malloc_trim_interval_s`` gives back).  Raw JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ def child(entries: int, buckets: bool, steps: int, layers: int, lo: int, hi: int
     from types import SimpleNamespace
 
     from tokenrouter.engine.cpu.linear import _PrepackedLinear
+    from tokenrouter.engine.host_memory import HostMemoryTrimmer, resident_anonymous_bytes
 
     torch.set_num_threads(1)
     torch.manual_seed(seed)
@@ -70,9 +72,13 @@ def child(entries: int, buckets: bool, steps: int, layers: int, lo: int, hi: int
         step(m)
     times = sorted(step(m) for m in rows)
     rss = int(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmRSS"))) / 1024
+    anon = resident_anonymous_bytes() / 2**20
+    trimmer = HostMemoryTrimmer(1e-9)  # what the models' periodic malloc_trim gives back
+    trimmer.maybe_trim()
     return {"entries": entries, "buckets": buckets, "distinct_rows": len(set(rows)),
             "step_ms_mean": 1e3 * sum(times) / len(times), "step_ms_p50": 1e3 * times[len(times) // 2],
-            "step_ms_p90": 1e3 * times[int(0.9 * len(times))], "rss_mib": rss}
+            "step_ms_p90": 1e3 * times[int(0.9 * len(times))], "rss_mib": rss,
+            "anon_mib": anon, "anon_after_malloc_trim_mib": resident_anonymous_bytes() / 2**20}
 
 
 def main(argv=None) -> int:
@@ -97,7 +103,8 @@ def main(argv=None) -> int:
         results[name] = json.loads(out.stdout.strip().splitlines()[-1])
         r = results[name]
         print(f"{name:22s} step mean {r['step_ms_mean']:7.1f} ms  p50 {r['step_ms_p50']:7.1f}  "
-              f"p90 {r['step_ms_p90']:7.1f}  RSS {r['rss_mib']:.0f} MiB  ({r['distinct_rows']} row counts)",
+              f"p90 {r['step_ms_p90']:7.1f}  RSS {r['rss_mib']:.0f} MiB  anonymous {r['anon_mib']:.0f} MiB, "
+              f"{r['anon_after_malloc_trim_mib']:.0f} after malloc_trim  ({r['distinct_rows']} row counts)",
               flush=True)
     if a.out:
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -4,9 +4,10 @@ A model process allocates and frees activation buffers of a new size at almost e
 (routed steps mix decode rows with resume extends and verifications of a few tokens).  glibc's
 allocator keeps what is freed inside its per-thread heaps (arenas) for reuse and gives back
 only what sits at the top of a heap, so the process's resident memory creeps up with traffic
-although nothing is held: a step microbenchmark on the 1.5B model's linear shapes (rows 8-120)
-ended at 597 MiB resident, 403 MiB after one ``malloc_trim(0)``; with the row buckets
-(``cpu_linear_row_buckets``) 330 and 288 MiB (docs/reliability.md, "Memory over time").
+although nothing is held: on the 1.5B model's linear shapes (rows 8-120,
+``perf/kernel_cache_step.py``) a process's anonymous memory went from 572 to 427 MiB with one
+``malloc_trim(0)``; with the row buckets (``cpu_linear_row_buckets``) from 317 to 311 MiB
+(docs/reliability.md, "Memory over time").
 ``malloc_trim(0)`` returns every whole free page of every arena (``madvise(MADV_DONTNEED)``);
 the pages come back zeroed on next use.
 
