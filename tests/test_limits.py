@@ -276,6 +276,10 @@ def test_openai_frontend_refuses_oversized_bodies_before_reading_them(server, fr
     base, proc = frontend
     host, port = base.removeprefix("http://").split(":")
     healthy = _Healthy(server)
+    # the chat path loads the tokenizer on its first request (a one-time cost): before the baseline
+    r = requests.post(base + "/v1/chat/completions", timeout=120, json={
+        "model": "token_router", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
     before, fe_before = _stub_rss(server), rss_bytes(proc.pid)
 
     # a Content-Length over the limit: answered before the body is sent (only 1 KiB of it is)
@@ -321,6 +325,12 @@ def test_openai_frontend_refuses_oversized_bodies_before_reading_them(server, fr
         "model": "token_router", "prompt": "c" * (1000 * 1024), "max_tokens": 4})
     err = _openai_error(r.status_code, r.content)
     assert r.status_code == 400 and err["param"] == "prompt" and "(max_input_bytes)" in err["message"], err
+    assert "text_input" not in err["message"], err  # named by its OpenAI field, not token_router's input
+    r = requests.post(base + "/v1/chat/completions", timeout=60, json={
+        "model": "token_router", "max_tokens": 4, "messages": [{"role": "user", "content": "c" * (1000 * 1024)}]})
+    err = _openai_error(r.status_code, r.content)
+    assert r.status_code == 400 and err["param"] == "messages" and "(max_input_bytes)" in err["message"], err
+    assert "text_input" not in err["message"] and "messages" in err["message"], err
 
     _assert_rss_flat(before, _stub_rss(server))
     assert rss_bytes(proc.pid) - fe_before < RSS_MARGIN, (fe_before, rss_bytes(proc.pid))

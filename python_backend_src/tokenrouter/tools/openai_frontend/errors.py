@@ -86,6 +86,10 @@ def backend_error(msg: str, chat: bool = False) -> OpenAIError:
         size = re.match(r"sampling_parameters is (\d+ bytes; the limit is .*)", msg)
         if size:  # the sampling fields this front end packed; only stop strings can be that long
             param, msg = "stop", f"stop and the other sampling fields take {size.group(1)}"
+        elif prompt_size := re.match(r"text_input is (\d+ bytes; the limit is .*)", msg):
+            # the prompt this front end rendered (the chat template around the messages)
+            what = "the messages with the chat template take" if chat else "prompt is"
+            param, msg = prompt_param, f"{what} {prompt_size.group(1)}"
         elif m:
             param = m.group(1)
             # the request's field by its OpenAI name, not by token_router's input it travelled in
