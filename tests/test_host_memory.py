@@ -51,3 +51,24 @@ def test_trimmer_gives_freed_heap_back_on_its_timer():
 def test_interval_zero_never_trims():
     trimmer = HostMemoryTrimmer(0.0, clock=lambda: 1e9)
     assert not trimmer.available and not trimmer.maybe_trim() and trimmer.trims == 0
+
+
+def test_heap_stats_tell_live_allocations_from_freed_memory_kept():
+    from tokenrouter.engine.host_memory import heap_stats
+
+    libc = _libc()
+    base = heap_stats()
+    if "malloc_in_use_bytes" not in base:
+        pytest.skip("the C library has no mallinfo2 (not glibc >= 2.33)")
+    blocks = [libc.malloc(64 * 1024) for _ in range(512)]  # 32 MiB from the heap, live
+    live = heap_stats()
+    assert live["malloc_in_use_bytes"] - base["malloc_in_use_bytes"] >= 32 * 2**20
+    for b in blocks[:-1]:  # freed; the last one pins the heap's top, so the allocator keeps the rest
+        libc.free(b)
+    kept = heap_stats()
+    assert live["malloc_in_use_bytes"] - kept["malloc_in_use_bytes"] >= 31 * 2**20
+    assert kept["malloc_free_bytes"] - base["malloc_free_bytes"] >= 31 * 2**20
+    libc.free(blocks[-1])
+    objects = [object() for _ in range(100_000)]  # CPython's small-object blocks, counted apart
+    assert heap_stats()["python_allocated_blocks"] - base["python_allocated_blocks"] >= 100_000
+    del objects

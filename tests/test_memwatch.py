@@ -76,13 +76,39 @@ def test_processes_of_a_server_and_their_memory(tmp_path):
             time.sleep(0.05)
         assert set(procs) == {"tritonserver", "llm_0_0"} and procs["tritonserver"] == parent.pid
         assert memwatch.rss_mb(procs["llm_0_0"]) > 1 and memwatch.rss_mb(procs["llm_0_0"], "RssAnon") > 0
-        sampler = memwatch.RSSSampler(parent.pid, every_s=0.1).start()
+        calls = []
+
+        def probe():  # every other call fails, as a stats op to a model down for a kill does
+            calls.append(1)
+            if len(calls) % 2 == 0:
+                raise RuntimeError("llm is down")
+            return {"llm": {"n": len(calls)}}
+
+        sampler = memwatch.RSSSampler(parent.pid, every_s=0.1, probe=probe).start()
         time.sleep(0.35)
         samples = sampler.stop()
         assert len(samples) >= 3 and all("llm_0_0" in s["rss_mb"] for s in samples)
+        assert [s["probe"] for s in samples[:2]] == [{"llm": {"n": 1}}, {"error": "llm is down"}]
+        assert len(calls) == len(samples)
     finally:
         parent.stdin.close()
         parent.wait(10)
     assert memwatch.server_processes(parent.pid) == {} and memwatch.rss_mb(parent.pid) is None
     with pytest.raises(ValueError):
         memwatch.RSSSampler(os.getpid(), every_s=0)
+
+
+def test_heap_change_follows_the_last_process_over_the_window():
+    from tokenrouter.tools.soak import heap_change
+
+    def sample(t, pid, blocks, in_use_mib, error=False):
+        probe = {"error": "down"} if error else {"python_allocated_blocks": blocks,
+                                                  "malloc_in_use_bytes": in_use_mib * 2**20}
+        return {"t_s": t, "pid": {"slm_0_0": pid}, "probe": {"slm": probe}}
+
+    samples = [sample(0, 1, 10, 100), sample(30, 1, 50, 900),  # before the window
+               sample(60, 1, 60, 950), sample(90, 2, 0, 0, error=True),  # killed: no answer
+               sample(120, 2, 100, 400), sample(150, 2, 130, 410.5), sample(180, 2, 999, 999)]
+    got = heap_change(samples, ["slm", "llm"], since_s=40, until_s=150)
+    assert got == {"slm": {"from_s": 120, "to_s": 150, "pid": 2, "python_allocated_blocks": 30,
+                           "malloc_in_use_mib": 10.5}}

@@ -8,6 +8,7 @@ import time
 from typing import Any, Dict, List
 
 from .config import SubserverConfig
+from .host_memory import heap_stats
 
 __all__ = ["AdminOpsMixin"]
 
@@ -61,7 +62,9 @@ class AdminOpsMixin:
         prefills run: one per request and step whose new tokens did not all fit the step's
         ``prefill_chunk_tokens`` budget) and that setting; ``malloc_trims``, ``malloc_trim_s`` and
         ``malloc_trim_released_bytes`` (freed host memory given back: ``malloc_trim_interval_s``,
-        :class:`~tokenrouter.engine.host_memory.HostMemoryTrimmer`); the prefix cache's sizes and
+        :class:`~tokenrouter.engine.host_memory.HostMemoryTrimmer`) and what the heap holds
+        (``python_allocated_blocks``, ``malloc_in_use_bytes``, ``malloc_free_bytes``,
+        ``malloc_mmapped_bytes``: :func:`~tokenrouter.engine.host_memory.heap_stats`); the prefix cache's sizes and
         counters in tokens (``prefix_cache_*``, ``kv_tokens_allocated``: see
         ``SGLangEngine.prefix_cache_stats``; ``kv_tokens_in_use`` leaves out what only the
         cache holds); guided decoding's ``guided_requests`` and ``grammar_*`` counters
@@ -99,6 +102,7 @@ class AdminOpsMixin:
                 "malloc_trims": self.trimmer.trims,
                 "malloc_trim_s": self.trimmer.seconds,
                 "malloc_trim_released_bytes": self.trimmer.released_bytes,
+                **heap_stats(),
                 **self.engine.prefix_cache_stats(),
                 **self.constrained.stats(),
             }

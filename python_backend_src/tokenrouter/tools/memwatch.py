@@ -15,7 +15,7 @@ import os
 import re
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 __all__ = ["server_processes", "rss_mb", "RSSSampler", "summarize"]
 
@@ -76,15 +76,22 @@ class RSSSampler:
         server_pid: the tritonserver's pid.
         every_s: sampling period (s, > 0).
 
+        probe: called at each sample; what it returns (a JSON-able dict, e.g. the models' heap
+            statistics from their ``stats`` op) is kept in the sample's ``"probe"``; an exception
+            it raises is kept as ``{"error": str}``.
+
     ``samples`` is a list of ``{"t_s": float, "rss_mb": {name: MiB}, "anon_mb": {name: MiB},
-    "pid": {name: pid}}`` (``VmRSS`` and ``RssAnon``, see :func:`rss_mb`), the first taken by
-    :meth:`start`; a process that restarted keeps its name with a new pid.
+    "pid": {name: pid}}`` (``VmRSS`` and ``RssAnon``, see :func:`rss_mb`; with ``probe`` also
+    ``"probe"``), the first taken by :meth:`start`; a process that restarted keeps its name with a
+    new pid.
     """
 
-    def __init__(self, server_pid: int, every_s: float = 30.0) -> None:
+    def __init__(self, server_pid: int, every_s: float = 30.0,
+                 probe: Optional[Callable[[], Dict[str, object]]] = None) -> None:
         if every_s <= 0:
             raise ValueError(f"every_s must be > 0, got {every_s}")
         self.server_pid, self.every_s = int(server_pid), float(every_s)
+        self.probe = probe
         self.samples: List[Dict[str, object]] = []
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -96,6 +103,11 @@ class RSSSampler:
         rss = {n: r for n, r in ((n, rss_mb(p)) for n, p in procs.items()) if r is not None}
         anon = {n: r for n, r in ((n, rss_mb(p, "RssAnon")) for n, p in procs.items()) if r is not None}
         s = {"t_s": round(time.monotonic() - self._t0, 1), "rss_mb": rss, "anon_mb": anon, "pid": procs}
+        if self.probe is not None:
+            try:
+                s["probe"] = self.probe()
+            except Exception as e:  # noqa: BLE001 -- a model down for a kill must not stop the sampling
+                s["probe"] = {"error": str(e)}
         self.samples.append(s)
         return s
 

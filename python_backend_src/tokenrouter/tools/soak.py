@@ -201,6 +201,58 @@ def stub_rss_mb(server_pid: int, models: Sequence[str]) -> Dict[str, float]:
     return {m: r for m, r in rss.items() if r is not None}
 
 
+HEAP_KEYS = ("python_allocated_blocks", "malloc_in_use_bytes", "malloc_free_bytes", "malloc_mmapped_bytes",
+             "kv_tokens_in_use", "prefix_cache_tokens", "malloc_trim_released_bytes")
+
+
+def _heap_probe(url: str, models: Sequence[str]) -> Dict[str, Any]:
+    """Each model's heap statistics and KV use from its ``stats`` op (``HEAP_KEYS``), or
+    ``{"error": ...}`` for a model that does not answer (down for a kill)."""
+    from . import admin
+
+    out: Dict[str, Any] = {}
+    for m in models:
+        try:
+            s = admin.model_stats(url, m)
+            out[m] = {k: s[k] for k in HEAP_KEYS if k in s}
+        except Exception as e:  # noqa: BLE001
+            out[m] = {"error": str(e)[:200]}
+    return out
+
+
+def heap_change(samples: Sequence[Dict[str, Any]], models: Sequence[str], since_s: float,
+                until_s: float) -> Dict[str, Dict[str, Any]]:
+    """How each model's heap statistics (:data:`HEAP_KEYS`, from :func:`_heap_probe`) changed over
+    ``[since_s, until_s]`` of the samples' clock, within the process that answered last (a
+    restarted stub starts again).
+
+    Returns:
+        ``{model: {"from_s", "to_s", "pid", key: last - first, ...}}``, byte counts in MiB
+        (``*_bytes`` becomes ``*_mib``); a model with fewer than two answers in the span is left out.
+    """
+    out: Dict[str, Dict[str, Any]] = {}
+    for m in models:
+        rows = [(s["t_s"], s["pid"].get(f"{m}_0_0"), s["probe"][m]) for s in samples
+                if since_s <= s["t_s"] <= until_s and isinstance(s.get("probe", {}).get(m), dict)
+                and "error" not in s["probe"][m]]
+        if not rows:
+            continue
+        pid = rows[-1][1]
+        rows = [r for r in rows if r[1] == pid]
+        if len(rows) < 2:
+            continue
+        (t0, _, a), (t1, _, b) = rows[0], rows[-1]
+        d: Dict[str, Any] = {"from_s": t0, "to_s": t1, "pid": pid}
+        for k in HEAP_KEYS:
+            if k in a and k in b:
+                if k.endswith("_bytes"):
+                    d[k[:-len("_bytes")] + "_mib"] = round((b[k] - a[k]) / 2**20, 1)
+                else:
+                    d[k] = b[k] - a[k]
+        out[m] = d
+    return out
+
+
 def _killer(server_pid: int, models: Sequence[str], every_s: float, periodic: bool, stop: threading.Event,
             rng: random.Random, log: List[Dict[str, Any]], progress: bool) -> None:
     """SIGKILL the stubs of ``models`` in turn, every ``every_s`` seconds (``periodic``) or at
@@ -270,7 +322,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         kind, ``requests``, ``handoffs``, ``output_tokens``, ``seconds``,
         ``final_stats`` per model; with ``kill_stub`` also ``kills``; with ``server_pid``
         ``stub_rss_mb`` (``start`` / ``end`` per model) and ``rss`` (``samples`` and
-        :func:`~tokenrouter.tools.memwatch.summarize`'s ``summary``); with ``hostile_fraction``
+        :func:`~tokenrouter.tools.memwatch.summarize`'s ``summary``, the models' heap statistics per
+        sample and :func:`heap_change` over the window); with ``hostile_fraction``
         ``hostile`` (outcomes per hostile input).
 
     Raises:
@@ -288,7 +341,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     if kill_models:
         threading.Thread(target=_killer, args=(server_pid, kill_models, kill_every_s, kill_periodic, kill_stop,
                                                random.Random(seed + 7), kills, progress), daemon=True).start()
-    sampler = memwatch.RSSSampler(server_pid, rss_every_s or 1e9).start() if server_pid else None
+    sampler = memwatch.RSSSampler(server_pid, rss_every_s or 1e9,
+                                  probe=lambda: _heap_probe(url, models)).start() if server_pid else None
 
     pids_start: Dict[str, Optional[int]] = {}
     if server_pid:
@@ -397,6 +451,7 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                         "summary_anon": memwatch.summarize(samples, warmup_s, window_s, max(warmup_s, 60.0),
                                                            key="anon_mb", until_s=traffic_end_s),
                         "samples": samples}
+        extra["rss"]["heap_change"] = heap_change(samples, models, traffic_end_s - window_s, traffic_end_s)
         for name, d in summary.items():  # growth of a running process: a restarted stub is a new one
             grown = d.get("process_range_mb", d.get("window_range_mb", 0.0))
             if rss_tolerance_mb and grown > rss_tolerance_mb:
