@@ -99,9 +99,13 @@ def main(argv=None) -> int:
         r["summary"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle, until_s=until)
         r["summary_anon"] = memwatch.summarize(r["samples"], r["warmup_s"], r["window_s"], settle, key="anon_mb",
                                                until_s=until)
+        if until is not None:
+            from tokenrouter.tools.soak import heap_change
+
+            r["heap_change"] = heap_change(r["samples"], ["slm", "llm"], until - r["window_s"], until)
         path.write_text(json.dumps(rep, indent=1))
         plot(rep, png, rep.get("title", ""))
-        print(json.dumps({"rss": r["summary"], "anon": r["summary_anon"]}, indent=1))
+        print(json.dumps({"rss": r["summary"], "anon": r["summary_anon"], "heap": r.get("heap_change")}, indent=1))
         print(png)
         return 0
     out = Path(a.out or ROOT / "perf" / "results" / f"{datetime.date.today()}-soak-{a.pair}.json")
@@ -132,6 +136,7 @@ def main(argv=None) -> int:
     plot(rep, png, rep["title"])
     print(json.dumps({k: v for k, v in rep.items() if k not in ("rss", "problems")}, indent=1))
     print(json.dumps(rep["rss"]["summary"], indent=1))
+    print(json.dumps(rep["rss"].get("heap_change", {}), indent=1))
     print("\n".join(rep["problems"][:20]))
     print(f"results: {out}\nplot: {png}\nsoak: {'PASSED' if rep['passed'] else 'FAILED'}")
     return 0 if rep["passed"] else 1
