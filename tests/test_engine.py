@@ -341,16 +341,10 @@ def test_cpu_rotary_embedding_is_bit_identical_to_sglangs(engine, dtype):
 
 
 def _heap_in_use_mib() -> float:
-    """glibc's bytes in use by malloc (mallinfo2's uordblks), in MiB"""
-    import ctypes
+    """glibc's bytes in use by malloc (mallinfo2), in MiB"""
+    from tokenrouter.engine.host_memory import heap_stats
 
-    class _MallInfo2(ctypes.Structure):
-        _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                    "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = _MallInfo2
-    return libc.mallinfo2().uordblks / 2**20
+    return heap_stats()["malloc_in_use_bytes"] / 2**20
 
 
 def test_cpu_kernel_caches_are_bounded(engine):

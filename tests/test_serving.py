@@ -121,8 +121,8 @@ def test_chunked_prefill_lets_a_short_request_pass_long_prompts(triton_server):
     request's greedy token is the one an unchunked prefill gives."""
     from tokenrouter.tools import admin
 
-    long_prompts = [f"Prompt {i}. " + "Tell me about the history of the printing press, year by year. " * 200
-                    for i in range(2)]  # ~2,600 tokens each
+    long_prompts = [f"Prompt {i}. " + "Tell me about the history of the printing press, year by year. " * 100
+                    for i in range(2)]  # ~1,300 tokens each: 3 chunks each, 6 steps for the two
     sp = {"max_tokens": 1, "temperature": 0}
     before = model_stats(triton_server, "slm")
     order = []
@@ -140,7 +140,7 @@ def test_chunked_prefill_lets_a_short_request_pass_long_prompts(triton_server):
     after = wait_kv_released(triton_server)
     assert all(o["_status"] == 200 for o in long_out) and short_out["_status"] == 200, (long_out, short_out)
     n_in = [o["num_input_tokens"] for o in long_out]
-    assert min(n_in) > 4 * 512 and all(o["num_output_tokens"] == 1 for o in long_out)
+    assert min(n_in) > 2 * 512 and all(o["num_output_tokens"] == 1 for o in long_out)
     steps = after["slm"]["steps"] - before["steps"]
     assert steps >= -(-sum(n_in) // 512), (steps, n_in)  # at most 512 prefill tokens a step
     assert after["slm"]["prefill_chunks"] - before["prefill_chunks"] >= -(-max(n_in) // 512) - 1
