@@ -102,7 +102,7 @@ def main(argv=None) -> int:
         if until is not None:
             from tokenrouter.tools.soak import heap_change
 
-            r["heap_change"] = heap_change(r["samples"], ["slm", "llm"], until - r["window_s"], until)
+            r["heap_change"] = heap_change(r["samples"], ["slm", "llm"], until - r["window_s"], until, settle)
         path.write_text(json.dumps(rep, indent=1))
         plot(rep, png, rep.get("title", ""))
         print(json.dumps({"rss": r["summary"], "anon": r["summary_anon"], "heap": r.get("heap_change")}, indent=1))

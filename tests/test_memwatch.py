@@ -112,3 +112,18 @@ def test_heap_change_follows_the_last_process_over_the_window():
     got = heap_change(samples, ["slm", "llm"], since_s=40, until_s=150)
     assert got == {"slm": {"from_s": 120, "to_s": 150, "pid": 2, "python_allocated_blocks": 30,
                            "malloc_in_use_mib": 10.5}}
+    # pid 2 appeared at 90 s: with 40 s of warm-up left out, 120 s is its first sample; with 50 s, 150 s
+    assert heap_change(samples, ["slm"], 40, 150, settle_s=30) == got
+    assert heap_change(samples, ["slm"], 40, 150, settle_s=50) == {}  # one sample left: no change
+
+
+def test_drift_is_growth_without_the_step_in_flight():
+    # flat at 500 MiB with a step's buffers (+80 MiB) caught in two samples: a wide range, no drift
+    flat = _samples([(t, 500 + (80 if t in (200, 700) else 0), 1) for t in range(0, 901, 100)])
+    d = memwatch.summarize(flat, warmup_s=0, window_s=1000)["m"]
+    assert d["process_range_mb"] == 80 and d["process_drift_mb"] == 0
+    # +10 MiB every 100 s: the last third's median minus the first's (3 samples each)
+    grows = memwatch.summarize(_samples([(t, 500 + t / 10, 1) for t in range(0, 801, 100)]), 0, 1000)["m"]
+    assert grows["process_drift_mb"] == 60  # 570 - 510
+    shrinks = memwatch.summarize(_samples([(t, 500 - t / 10, 1) for t in range(0, 801, 100)]), 0, 1000)["m"]
+    assert shrinks["process_drift_mb"] == -60

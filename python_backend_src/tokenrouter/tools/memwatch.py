@@ -135,6 +135,15 @@ class RSSSampler:
         return self.samples
 
 
+def _drift(series: Sequence[tuple]) -> float:
+    """Growth of one process over its ``(t_s, MiB)`` samples, robust to what one step holds at the
+    moment of a sample: the median of the last third of the samples minus that of the first third
+    (MiB, rounded to 0.1)."""
+    k = max(1, len(series) // 3)
+    first, last = sorted(r for _, r in series[:k]), sorted(r for _, r in series[-k:])
+    return round(last[len(last) // 2] - first[len(first) // 2], 1)
+
+
 def _slope_per_h(ts: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares slope of ``ys`` against ``ts`` (s), in units of ``ys`` per hour."""
     n = len(ts)
@@ -165,7 +174,9 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
         "samples"}}``.  ``window_range_mb`` spans every incarnation of the name in the window (a
         restarted stub is a new process, loaded anew); ``process_range_mb`` is the largest range of
         any one process (one pid) in the window, over ``process_span_s`` seconds of its samples: the
-        growth of a running process.  The window and slope keys are absent for a process with
+        growth of a running process, and the buffers of the step in flight at each sample;
+        ``process_drift_mb`` (the largest in size over the processes in the window) is the median of
+        a process's last third of samples minus that of its first third: its growth alone.  The window and slope keys are absent for a process with
         fewer than 2 samples in them.
     """
     names = sorted({n for s in samples for n in s.get(key, {})})
@@ -198,7 +209,8 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
             if spans:
                 widest = max(spans, key=lambda v: max(r for _, r in v) - min(r for _, r in v))
                 d.update(process_range_mb=round(max(r for _, r in widest) - min(r for _, r in widest), 1),
-                         process_span_s=round(widest[-1][0] - widest[0][0], 1))
+                         process_span_s=round(widest[-1][0] - widest[0][0], 1),
+                         process_drift_mb=max((_drift(v) for v in spans), key=abs))
         if len(kept) >= 2:
             d["slope_mb_per_h"] = round(_slope_per_h([t for t, _ in kept], [r for _, r in kept]), 1)
         out[name] = d

@@ -5,8 +5,8 @@ non-streamed requests, routing thresholds drawn per request so that handoffs
 are frequent, random output lengths, a fraction of streams cancelled by the
 client mid-way and a fraction of malformed requests.  It then checks that
 
-* every request ended (text, a clean error for bad input, or cancelled) within
-  ``request_timeout_s`` — none hung;
+* every request ended (text, a clean error for bad input, or cancelled), none going
+  ``request_timeout_s`` without a response (a stream's clock restarts at each chunk) — none hung;
 * no valid request failed;
 * the server is live and still answers, and every model's KV usage and active
   requests return to zero (``stats`` op).
@@ -144,13 +144,14 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
     try:
         c.start_stream(callback=lambda result, error: q.put((result, error)))
         c.async_stream_infer(model, ins, enable_empty_final_response=True)
-        chunks = 0
+        chunks, last = 0, t0
         while True:
-            try:
-                result, error = q.get(timeout=max(0.1, t0 + request_timeout_s - time.perf_counter()))
+            try:  # hung: no response for request_timeout_s (a stream's clock restarts at each chunk)
+                result, error = q.get(timeout=max(0.1, last + request_timeout_s - time.perf_counter()))
             except queue.Empty:
-                out["outcome"] = "hung"
+                out["outcome"], out["chunks"] = "hung", chunks
                 return out
+            last = time.perf_counter()
             if error is not None:
                 out["outcome"], out["error"] = "error", str(error)
                 if "busy: " in out["error"]:
@@ -221,10 +222,10 @@ def _heap_probe(url: str, models: Sequence[str]) -> Dict[str, Any]:
 
 
 def heap_change(samples: Sequence[Dict[str, Any]], models: Sequence[str], since_s: float,
-                until_s: float) -> Dict[str, Dict[str, Any]]:
+                until_s: float, settle_s: float = 0.0) -> Dict[str, Dict[str, Any]]:
     """How each model's heap statistics (:data:`HEAP_KEYS`, from :func:`_heap_probe`) changed over
     ``[since_s, until_s]`` of the samples' clock, within the process that answered last (a
-    restarted stub starts again).
+    restarted stub starts again), leaving out its first ``settle_s`` seconds (its warm-up).
 
     Returns:
         ``{model: {"from_s", "to_s", "pid", key: last - first, ...}}``, byte counts in MiB
@@ -232,9 +233,12 @@ def heap_change(samples: Sequence[Dict[str, Any]], models: Sequence[str], since_
     """
     out: Dict[str, Dict[str, Any]] = {}
     for m in models:
+        born: Dict[Any, float] = {}  # pid -> its first sample's time
+        for s in samples:
+            born.setdefault(s["pid"].get(f"{m}_0_0"), s["t_s"])
         rows = [(s["t_s"], s["pid"].get(f"{m}_0_0"), s["probe"][m]) for s in samples
                 if since_s <= s["t_s"] <= until_s and isinstance(s.get("probe", {}).get(m), dict)
-                and "error" not in s["probe"][m]]
+                and "error" not in s["probe"][m] and s["t_s"] - born[s["pid"].get(f"{m}_0_0")] >= settle_s]
         if not rows:
             continue
         pid = rows[-1][1]
@@ -299,7 +303,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         long_fraction: share of prompts of 2-30 paragraphs (~120-1,800 tokens) instead of one line.
         thresholds: routing thresholds drawn per request (``routing_threshold``);
             empty to use the server's.
-        request_timeout_s: a request without a final answer after this long is "hung".
+        request_timeout_s: a request that gets no response for this long (s; a stream's clock
+            starts again at each chunk) is "hung".
         kill_stub: models (comma-separated) whose stubs are SIGKILLed in turn ("" = none).
         kill_every_s: seconds between two kills (the mean of random intervals, or the period
             with ``kill_periodic``).
@@ -397,7 +402,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     for r in records:
         outcomes.setdefault(r["kind"], Counter())[r["outcome"]] += 1
         if r["outcome"] == "hung":
-            problems.append(f"a {r['kind']} request hung for {request_timeout_s:.0f} s")
+            problems.append(f"a {r['kind']} request got no response for {request_timeout_s:.0f} s "
+                            f"(after {r.get('chunks', 0)} chunks, {r['e2e_s']:.0f} s in all)")
         elif r["kind"] == "bad" and r["outcome"] != "error":
             problems.append(f"a malformed request was not rejected: {r}")
         elif r["kind"] == "hostile" and not (r["outcome"] == "error" and (
@@ -451,7 +457,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                         "summary_anon": memwatch.summarize(samples, warmup_s, window_s, max(warmup_s, 60.0),
                                                            key="anon_mb", until_s=traffic_end_s),
                         "samples": samples}
-        extra["rss"]["heap_change"] = heap_change(samples, models, traffic_end_s - window_s, traffic_end_s)
+        extra["rss"]["heap_change"] = heap_change(samples, models, traffic_end_s - window_s, traffic_end_s,
+                                                  settle_s=max(warmup_s, 60.0))
         for name, d in summary.items():  # growth of a running process: a restarted stub is a new one
             grown = d.get("process_range_mb", d.get("window_range_mb", 0.0))
             if rss_tolerance_mb and grown > rss_tolerance_mb:
@@ -473,6 +480,11 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                 hostile.setdefault(r["hostile"], Counter())[r["outcome"]] += 1
         extra["hostile"] = {k: dict(v) for k, v in hostile.items()}
     extra["busy"] = sum(1 for r in records if r["outcome"] == "busy")
+    answered = sorted(r["e2e_s"] for r in records if r["outcome"] == "ok")
+    if answered:  # how long an answer took, end to end (s)
+        extra["answer_e2e_s"] = {"p50": round(answered[len(answered) // 2], 1),
+                                 "p90": round(answered[int(0.9 * (len(answered) - 1))], 1),
+                                 "max": round(answered[-1], 1)}
     return {**extra, "passed": not problems, "problems": problems[:50],
             "outcomes": {k: dict(v) for k, v in outcomes.items()}, "requests": len(records),
             "handoffs": sum(r["handoffs"] for r in records),
