@@ -69,8 +69,8 @@ def heap_stats() -> Dict[str, int]:
         ``python_allocated_blocks`` (``sys.getallocatedblocks()``: CPython's live small-object
         blocks, a count) and, with glibc >= 2.33 (``mallinfo2``; absent elsewhere), in bytes:
         ``malloc_in_use_bytes`` (allocated by malloc and not freed, mmapped chunks included),
-        ``malloc_free_bytes`` (freed chunks kept inside the arenas: what ``malloc_trim`` can give
-        back, where whole pages) and ``malloc_mmapped_bytes`` (large chunks served by ``mmap``,
+        ``malloc_free_bytes`` (freed chunks kept inside the arenas and the free top of each heap,
+        resident or not: ``malloc_trim`` gives their whole pages back but they stay counted) and ``malloc_mmapped_bytes`` (large chunks served by ``mmap``,
         returned to the system when freed).  ``mallinfo2`` walks every arena's free lists: about a
         millisecond in a model process.
     """

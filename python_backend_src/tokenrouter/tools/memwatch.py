@@ -176,7 +176,8 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
         any one process (one pid) in the window, over ``process_span_s`` seconds of its samples: the
         growth of a running process, and the buffers of the step in flight at each sample;
         ``process_drift_mb`` (the largest in size over the processes in the window) is the median of
-        a process's last third of samples minus that of its first third: its growth alone.  The window and slope keys are absent for a process with
+        a process's last third of samples minus that of its first third: its growth alone.  The
+        window and slope keys are absent for a process with
         fewer than 2 samples in them.
     """
     names = sorted({n for s in samples for n in s.get(key, {})})
