@@ -17,6 +17,8 @@ extend forwards and keep the batched extend attention either way.
     python perf/engine_steps.py --model llama-size-realistic --load-format dummy
     python perf/engine_steps.py --batch-sizes 8 --profile                   # where a step's time goes
     python perf/engine_steps.py --batch-sizes 8 --context 480 --kv-gather both       # K/V gather: served vs earlier, alternated
+    python perf/engine_steps.py --model qwen2.5-coder-1.5b-instruct --threads 2 --batch-sizes 1,2 --context 256 \
+        --mmap-thresholds 33554432,1048576                              # glibc's mmap threshold, alternated
 
 ``--profile`` then also runs ``--decode-steps`` more decode steps of max(batch sizes) rows
 under ``torch.profiler`` and prints the operators by self CPU time; the row named
@@ -54,7 +56,11 @@ def main(argv=None) -> int:
                          "two-copy (whole tokens, then a transposing copy), or both: the two alternated "
                          "in this process (--alternations), compared on max(batch sizes) rows")
     ap.add_argument("--alternations", type=int, default=8,
-                    help="--kv-gather both: pairs of timed passes, the order alternating (default 8)")
+                    help="--kv-gather both, --mmap-thresholds: pairs of timed passes, the order alternating (default 8)")
+    ap.add_argument("--mmap-thresholds", default="", metavar="A,B",
+                    help="time whole calibration passes (prefill, decode, resume at each batch size) with glibc's "
+                         "mmap threshold at A and at B bytes in turn, in this process (malloc_mmap_threshold_bytes; "
+                         "32 MiB, the most glibc allows, stands for glibc's own dynamic threshold after warm-up)")
     ap.add_argument("--json", help="also write the rows to this file")
     ap.add_argument("--profile", action="store_true",
                     help="also profile decode steps of max(batch sizes) rows with torch.profiler")
@@ -86,6 +92,14 @@ def main(argv=None) -> int:
         from tokenrouter.engine.cpu import attention
         attention.HEAD_ROW_GATHER = False
     engine.calibrate(bs, context=a.context, decode_steps=2)  # warm-up
+    if a.mmap_thresholds:
+        try:
+            pair = [int(x) for x in a.mmap_thresholds.split(",")]
+            if len(pair) != 2:
+                raise ValueError
+        except ValueError:
+            ap.error("--mmap-thresholds takes two integers A,B (bytes)")
+        return _alternate_mmap_thresholds(engine, bs, a.context, a.decode_steps, a.alternations, pair, a.json)
     if a.kv_gather == "both":
         return _alternate_kv_gather(engine, max(bs), a.context, a.decode_steps, a.alternations)
     rows = engine.calibrate(bs, context=a.context, decode_steps=a.decode_steps)
@@ -128,6 +142,58 @@ def _alternate_kv_gather(engine, rows: int, context: int, steps: int, pairs: int
           f"two-copy / head-rows per pair: median {statistics.median(ratios):.3f} "
           f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
     return 0
+
+
+def _alternate_mmap_thresholds(engine, bs, context: int, steps: int, pairs: int, thresholds, out) -> int:
+    """Run ``engine.calibrate(bs, context, steps)`` with glibc's mmap threshold at each of
+    ``thresholds`` (bytes) in turn, ``pairs`` times (order alternating: AB, BA, ...), in this one
+    process (:func:`tokenrouter.engine.host_memory.set_mmap_threshold`), and print per batch size each
+    side's median prefill, decode (median step) and resume time in ms and the paired ratio B / A of
+    each (median, min, max over the pairs).  Writes every pass to ``out`` (JSON) when given.
+
+    Raises:
+        SystemExit: the C library is not glibc (no ``mallopt``).
+    """
+    import statistics
+
+    from tokenrouter.engine.host_memory import set_mmap_threshold
+
+    passes = []
+    for i in range(pairs):
+        for side in ((0, 1) if i % 2 == 0 else (1, 0)):
+            if not set_mmap_threshold(thresholds[side]):
+                raise SystemExit("--mmap-thresholds: this C library has no mallopt (not glibc)")
+            for r in engine.calibrate(bs, context=context, decode_steps=steps):
+                passes.append({"pair": i, "threshold_bytes": thresholds[side], "batch_size": r["batch_size"],
+                               "prefill_ms": 1e3 * sum(p["latency_s"] for p in r["prefill"]),
+                               "decode_ms": 1e3 * r["decode_median_s"], "resume_ms": 1e3 * r["resume_latency_s"]})
+    print(f"context {context}, {pairs} alternations, mmap threshold A = {thresholds[0]} B = {thresholds[1]} bytes")
+    print("| rows | step | A median ms | B median ms | B / A per pair: median (min, max) |")
+    print("|---|---|---|---|---|")
+    summary = []
+    for b in bs:
+        for kind in ("prefill_ms", "decode_ms", "resume_ms"):
+            side = [[p[kind] for p in passes if p["batch_size"] == b and p["threshold_bytes"] == t]
+                    for t in thresholds]
+            ratios = [y / x for x, y in zip(*side)]
+            row = {"batch_size": b, "step": kind[:-3], "a_median_ms": statistics.median(side[0]),
+                   "b_median_ms": statistics.median(side[1]), "ratio_median": statistics.median(ratios),
+                   "ratio_min": min(ratios), "ratio_max": max(ratios)}
+            summary.append(row)
+            print(f"| {b} | {row['step']} | {row['a_median_ms']:.1f} | {row['b_median_ms']:.1f} | "
+                  f"{row['ratio_median']:.3f} ({row['ratio_min']:.3f}, {row['ratio_max']:.3f}) |")
+    if out:
+        with open(out, "w") as f:
+            json.dump({"context": context, "decode_steps": steps, "alternations": pairs,
+                       "thresholds_bytes": list(thresholds), "threads": torch_threads(), "summary": summary,
+                       "passes": passes}, f, indent=1)
+    return 0
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def _profile_decode(engine, rows: int, context: int, steps: int) -> None:

@@ -382,3 +382,36 @@ def test_bound_kernel_caches_keeps_the_users_setting(monkeypatch):
     assert CACHE_ENV[1] not in bound_kernel_caches(0)
     with pytest.raises(ValueError, match="cpu_kernel_cache_entries"):
         bound_kernel_caches(-1)
+
+
+@pytest.mark.parametrize("model", ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"])
+def test_load_tokenizer_behaves_as_autotokenizer(model):
+    """The router's tokenizer (``load_tokenizer``: PreTrainedTokenizerFast, a lighter import) encodes,
+    decodes, renders chat templates and names special and stop tokens as AutoTokenizer's does."""
+    from transformers import AutoTokenizer
+
+    from tokenrouter.engine.detok import TokenStrings, load_tokenizer, stop_token_ids
+    from tokenrouter.triton.common import resolve_model_path
+
+    path = resolve_model_path(model)
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        pytest.skip(f"{model} is not prepared (deploy/prepare_weights.py)")
+    ref, tok = AutoTokenizer.from_pretrained(path), load_tokenizer(path)
+    texts = ["Hello world!  \n\tdef f(x):\n    return x**2  # ünïcødé 🤖", " leading space", "a<|im_end|>b",
+             "<|endoftext|><|im_start|>user"]
+    for t in texts:
+        ids = ref.encode(t)
+        assert tok.encode(t) == ids, t
+        for skip in (False, True):
+            assert tok.decode(ids, skip_special_tokens=skip) == ref.decode(ids, skip_special_tokens=skip), t
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}]
+    for kw in ({"add_generation_prompt": True}, {"add_generation_prompt": False}, {"tools": tools}):
+        assert tok.apply_chat_template(msgs, tokenize=False, **kw) == ref.apply_chat_template(msgs, tokenize=False, **kw)
+    for attr in ("eos_token_id", "unk_token_id", "bos_token_id", "pad_token_id", "model_max_length", "all_special_ids"):
+        assert getattr(tok, attr) == getattr(ref, attr), attr
+    assert len(tok) == len(ref) and tok.get_vocab() == ref.get_vocab()
+    assert stop_token_ids(tok) == stop_token_ids(ref)
+    some = list(range(0, len(ref), 97)) + sorted(ref.all_special_ids)
+    a, b = TokenStrings(tok), TokenStrings(ref)
+    assert [(a.text(i), a.bytes(i)) for i in some] == [(b.text(i), b.bytes(i)) for i in some]

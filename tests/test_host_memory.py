@@ -73,3 +73,52 @@ def test_heap_stats_tell_live_allocations_from_freed_memory_kept():
     objects = [object() for _ in range(100_000)]  # CPython's small-object blocks, counted apart
     assert heap_stats()["python_allocated_blocks"] - base["python_allocated_blocks"] >= 100_000
     del objects
+
+
+_MMAP_PROBE = r"""
+import ctypes, ctypes.util, json, sys
+from tokenrouter.engine.host_memory import heap_stats, set_mmap_threshold
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+if sys.argv[1] != "0":
+    assert set_mmap_threshold(int(sys.argv[1]))
+size = 4 * 2**20
+libc.free(libc.malloc(size))  # glibc's dynamic threshold rises to 4 MiB at this free
+b = libc.malloc(size)
+print(json.dumps(heap_stats()["malloc_mmapped_bytes"] >= size))
+libc.free(b)
+"""
+
+
+def _second_buffer_mmapped(threshold: int) -> bool:
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _MMAP_PROBE, str(threshold)], check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def test_a_fixed_mmap_threshold_keeps_large_buffers_out_of_the_heap():
+    from tokenrouter.engine.host_memory import heap_stats
+
+    if "malloc_mmapped_bytes" not in heap_stats():
+        pytest.skip("the C library has no mallinfo2 (not glibc >= 2.33)")
+    # glibc's own threshold: the second 4 MiB buffer comes from the heap (and stays there when freed)
+    assert not _second_buffer_mmapped(0)
+    # fixed at 1 MiB: every 4 MiB buffer is mapped afresh, and unmapped at free
+    assert _second_buffer_mmapped(2**20)
+
+
+def test_mmap_threshold_out_of_range_is_refused():
+    from tokenrouter.engine.config import SubserverConfig
+    from tokenrouter.engine.host_memory import MAX_MMAP_THRESHOLD_BYTES, set_mmap_threshold
+
+    for bad in (0, -1, MAX_MMAP_THRESHOLD_BYTES + 1):
+        with pytest.raises(ValueError, match="mmap threshold"):
+            set_mmap_threshold(bad)
+    with pytest.raises(ValueError, match=r"malloc_mmap_threshold_bytes must be >= 0 and <= 33554432"):
+        SubserverConfig(malloc_mmap_threshold_bytes=MAX_MMAP_THRESHOLD_BYTES + 1)

@@ -32,13 +32,16 @@ def _setup():
     cpu.install()  # before transformers/sglang are imported; no-op with a GPU
 
 
-_setup()
+# _setup() runs from initialize(), not at import: Triton's Python backend also imports this file in a
+# short-lived stub of its own for each model it loads (to offer auto_complete_config, which this
+# backend does not define), and that stub need not import torch (seconds of a model's load).
 
 
 class TritonPythonModel:
     """Dispatches to the router or LLM implementation named by the ``role`` parameter."""
 
     def initialize(self, args):
+        _setup()
         from tokenrouter.triton.common import model_parameters
         from tokenrouter.triton.settings import ModelRole  # role's default and values are declared there
 

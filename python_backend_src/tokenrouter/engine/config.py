@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from .host_memory import MAX_MMAP_THRESHOLD_BYTES
 from .parameters import check_ranges, documented, param
 
 __all__ = ["EngineConfig", "SubserverConfig", "DTYPES", "DEVICES", "CPU_LINEAR_WEIGHTS"]
@@ -131,6 +132,11 @@ class SubserverConfig:
         "the decode loop gives the memory its C library keeps freed back to the system (glibc's "
         "``malloc_trim``, between steps) at most this often, so that the process's resident size "
         "does not creep up with traffic (:mod:`tokenrouter.engine.host_memory`); 0: never"))
+    malloc_mmap_threshold_bytes: int = param(0, unit="bytes", ge=0, le=MAX_MMAP_THRESHOLD_BYTES, doc=(
+        "host buffers at least this large are mapped afresh and unmapped when freed (glibc's "
+        "``M_MMAP_THRESHOLD``, set in the model's process when it loads), so that a step's large "
+        "activation buffers do not stay inside the heap between steps; 0: the C library's own "
+        "(dynamic) threshold"))
 
     def __post_init__(self) -> None:
         check_ranges(self)

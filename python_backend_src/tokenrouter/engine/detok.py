@@ -22,8 +22,11 @@ __all__ = ["IncrementalDetokenizer", "TokenStrings", "stop_token_ids", "load_tok
 def load_tokenizer(path: str):
     """A Hugging Face tokenizer from a checkpoint folder (its chat template, a grammar's vocabulary).
 
-    Uses ``PreTrainedTokenizerFast`` when the folder has ``tokenizer.json`` (no
-    torch import), else ``AutoTokenizer``.
+    Uses ``PreTrainedTokenizerFast`` when the folder has ``tokenizer.json``, else ``AutoTokenizer``.
+    The first imports a small part of transformers (about 1 s against AutoTokenizer's 4 s after
+    torch: the model-side modules, torch._dynamo among them, stay out); on SmolLM2's and
+    Qwen2.5-Coder's folders it encodes, decodes, renders the chat template (tools included) and
+    names special tokens exactly as AutoTokenizer does (tests/test_engine.py).
 
     Raises:
         OSError / ValueError: the folder holds no loadable tokenizer.

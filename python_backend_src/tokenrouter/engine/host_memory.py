@@ -11,8 +11,15 @@ although nothing is held: on the 1.5B model's linear shapes (rows 8-120,
 ``malloc_trim(0)`` returns every whole free page of every arena (``madvise(MADV_DONTNEED)``);
 the pages come back zeroed on next use.
 
+A fixed mmap threshold (:func:`set_mmap_threshold`, glibc's ``M_MMAP_THRESHOLD``) goes further for
+the large buffers: each allocation at least that large is mapped afresh and unmapped at free, so a
+step's activation buffers (a 512-token prefill chunk of the 1.5B in float32 allocates tens of MiB)
+never stay inside a heap between steps, and the resident size between steps does not depend on
+which step ran last.  glibc's own threshold is dynamic: it starts at 128 KiB and rises to the size
+of each mmapped block freed (up to 32 MiB), so after warm-up almost every buffer is a heap buffer.
+
 Where the C library is not glibc (musl, macOS) there is nothing to call: :class:`HostMemoryTrimmer`
-then does nothing.
+then does nothing and :func:`set_mmap_threshold` returns False.
 """
 
 from __future__ import annotations
@@ -24,20 +31,31 @@ import sys
 import time
 from typing import Callable, Dict, Optional
 
-__all__ = ["HostMemoryTrimmer", "heap_stats", "resident_anonymous_bytes"]
+__all__ = ["HostMemoryTrimmer", "MAX_MMAP_THRESHOLD_BYTES", "heap_stats", "resident_anonymous_bytes",
+           "set_mmap_threshold"]
+
+#: the largest mmap threshold glibc accepts on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``: 32 MiB)
+MAX_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
+#: ``mallopt``'s parameter number for the mmap threshold (``M_MMAP_THRESHOLD`` in malloc.h)
+_M_MMAP_THRESHOLD = -3
 
 logger = logging.getLogger(__name__)
 
 
-def _load_malloc_trim() -> Optional[Callable[[int], int]]:
+def _libc_function(name: str, argtypes: list, restype) -> Optional[Callable]:
+    """The C library's function ``name`` with these argument and result types; None where the C
+    library has none of that name (not glibc) or cannot be loaded."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.malloc_trim
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
     except (OSError, AttributeError):
         return None
-    fn.argtypes = [ctypes.c_size_t]
-    fn.restype = ctypes.c_int
+    fn.argtypes = argtypes
+    fn.restype = restype
     return fn
+
+
+def _load_malloc_trim() -> Optional[Callable[[int], int]]:
+    return _libc_function("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
 
 
 class _MallInfo2(ctypes.Structure):
@@ -47,18 +65,32 @@ class _MallInfo2(ctypes.Structure):
                  "fordblks", "keepcost")]
 
 
-def _load_mallinfo2() -> Optional[Callable[[], _MallInfo2]]:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = []
-    fn.restype = _MallInfo2
-    return fn
+_mallinfo2 = _libc_function("mallinfo2", [], _MallInfo2)
 
 
-_mallinfo2 = _load_mallinfo2()
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Fix this process's mmap threshold at ``nbytes`` (glibc's ``mallopt(M_MMAP_THRESHOLD, nbytes)``):
+    from then on, allocations of at least ``nbytes`` bytes are served by their own ``mmap`` and
+    returned to the system when freed, and the threshold no longer rises by itself.  Process-wide;
+    earlier allocations keep where they are.
+
+    Args:
+        nbytes: the threshold in bytes, 0 < nbytes <= :data:`MAX_MMAP_THRESHOLD_BYTES`.
+
+    Returns:
+        whether it was set (False where the C library has no ``mallopt``, i.e. is not glibc).
+
+    Raises:
+        ValueError: ``nbytes`` out of that range, or refused by ``mallopt``.
+    """
+    if not 0 < nbytes <= MAX_MMAP_THRESHOLD_BYTES:
+        raise ValueError(f"mmap threshold must be > 0 and <= {MAX_MMAP_THRESHOLD_BYTES} bytes, got {nbytes}")
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    if mallopt is None:
+        return False
+    if mallopt(_M_MMAP_THRESHOLD, int(nbytes)) != 1:
+        raise ValueError(f"mallopt(M_MMAP_THRESHOLD, {nbytes}) refused the value")
+    return True
 
 
 def heap_stats() -> Dict[str, int]:

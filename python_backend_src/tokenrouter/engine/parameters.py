@@ -38,6 +38,7 @@ class Param:
         unit: the unit of the field's value (``"tokens"``, ``"s"``, ``"requests"``, …); "" for none.
         ge: the smallest value allowed, or None (no lower bound).
         gt: a bound the value must exceed (a strict ``> gt``), or None.
+        le: the largest value allowed, or None (no upper bound).
         finite: the value must be a finite number (no ``inf``, no ``nan``).
         choices: the values allowed (strings), or () for any.
         fold_case: the parameter's value is read with surrounding spaces stripped and lower-cased
@@ -57,6 +58,7 @@ class Param:
     unit: str = ""
     ge: Optional[float] = None
     gt: Optional[float] = None
+    le: Optional[float] = None
     finite: bool = False
     choices: Tuple[str, ...] = ()
     fold_case: bool = False
@@ -82,9 +84,9 @@ class Param:
         ``a finite number > 0``."""
         if self.choices:
             return "one of " + ", ".join(self.choices)
-        bounds = [f">= {self.ge:g}"] if self.ge is not None else []
-        bounds += [f"> {self.gt:g}"] if self.gt is not None else []
-        return " ".join((["a finite number"] if self.finite else []) + bounds)
+        bounds = [f"{op} {_number(b)}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le))
+                  if b is not None]
+        return " ".join((["a finite number"] if self.finite else []) + [" and ".join(bounds)] * bool(bounds))
 
     def allows(self, v: Any) -> bool:
         """Whether the (non-None) value ``v`` is in range."""
@@ -92,7 +94,13 @@ class Param:
             return v in self.choices
         if self.finite and not math.isfinite(v):
             return False
-        return (self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+        return ((self.ge is None or v >= self.ge) and (self.gt is None or v > self.gt)
+                and (self.le is None or v <= self.le))
+
+
+def _number(x: float) -> str:
+    """``x`` as the docs and errors write a bound: whole numbers in full (33554432), others as ``%g``."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 def param(default: Any = dataclasses.MISSING, *, default_factory: Any = dataclasses.MISSING,

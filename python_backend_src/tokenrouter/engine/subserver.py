@@ -35,7 +35,7 @@ from .admin import AdminOpsMixin
 from .admission import AdmissionMixin
 from .config import SubserverConfig
 from .constrained import ConstrainedDecoding
-from .host_memory import HostMemoryTrimmer
+from .host_memory import HostMemoryTrimmer, set_mmap_threshold
 from .inbox import LoopCall, Release, Stop, Submit, SubmitGroup
 from .lockstep import LockStep
 from .output_processor import OutputProcessorMixin
@@ -94,6 +94,8 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         self.strategy: DecodeStrategy = self._choose_strategy()
         self.counters = collections.Counter()
         self.trimmer = HostMemoryTrimmer(self.config.malloc_trim_interval_s)
+        if self.config.malloc_mmap_threshold_bytes:
+            set_mmap_threshold(self.config.malloc_mmap_threshold_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{self.name}", daemon=True)
         self._thread.start()

@@ -124,14 +124,12 @@ class DirectRouter:
         from ..engine import cpu
 
         cpu.install()
-        from transformers import AutoTokenizer
-
         from ..algorithms import configure as configure_algorithm
-        from ..engine.detok import stop_token_ids
+        from ..engine.detok import load_tokenizer, stop_token_ids
 
         self.cluster, self.models, self.algorithm = cluster, list(models), algorithm
         self.algo_cls, self.params = configure_algorithm(algorithm, params or {}, len(models))
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.tokenizer = load_tokenizer(tokenizer_path)
         self.stop_ids = stop_token_ids(self.tokenizer)
         self._ids = itertools.count()
 

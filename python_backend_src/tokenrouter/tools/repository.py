@@ -335,6 +335,30 @@ def parse_settings(items: Iterable[str]) -> Dict[str, Dict[str, str]]:
     return out
 
 
+def check_settings(src: str, settings: Mapping[str, Mapping[str, str]]) -> None:
+    """Check that each ``{model: {key: value}}`` of ``settings`` names a config parameter its model
+    declares (:func:`tokenrouter.triton.settings.llm_parameters` or ``router_parameters``, by the
+    model's ``role`` in ``src``); a model absent from ``src`` is left to :func:`make_variant`.
+
+    Raises:
+        ValueError: ``--set MODEL.KEY: not a config parameter of MODEL (role ROLE; ...)``.
+    """
+    from tokenrouter.triton.settings import llm_parameters, router_parameters
+
+    declared = {"llm": {k for k, *_ in llm_parameters()} | {"role"},
+                "router": {k for k, *_ in router_parameters()}}
+    for model, kvs in settings.items():
+        path = os.path.join(src, model, "config.pbtxt")
+        if not os.path.isfile(path):
+            continue
+        params = read_config(path).parameters
+        role = params["role"].string_value.strip().lower() if "role" in params else "llm"
+        for key in kvs:
+            if key not in declared.get(role, ()):
+                raise ValueError(f"--set {model}.{key}: not a config parameter of {model} (role {role}; "
+                                 "docs/configuration.md lists them)")
+
+
 def main(argv: Optional[Iterable[str]] = None) -> int:
     """CLI: write a repository variant."""
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.repository", description=__doc__.split("\n\n")[0])
@@ -363,7 +387,9 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         served = [m.strip() for m in a.models.split(",") if m.strip()] or sorted(
             d for d in os.listdir(a.src) if os.path.isfile(os.path.join(a.src, d, "config.pbtxt")))
         params = serving_params(a.src, served, a.remote, a.peer_port, a.keys, a.curve == "on")
-        for m, p in parse_settings(a.set).items():
+        settings = parse_settings(a.set)
+        check_settings(a.src, settings)
+        for m, p in settings.items():
             params.setdefault(m, {}).update(p)
         make_variant(a.src, a.out, a.pair, model_params=params, routers=routers)
         check_tokenizers(a.out)

@@ -65,7 +65,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from ..algorithms import get_algorithm
-from ..engine.detok import IncrementalDetokenizer, TokenStrings, stop_token_ids
+from ..engine.detok import IncrementalDetokenizer, TokenStrings, load_tokenizer, stop_token_ids
 from ..engine.grammar import GrammarCompiler
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
@@ -175,9 +175,7 @@ class TritonPythonModel:
     def init_tokenizer(self) -> None:
         """Load the tokenizer (``tokenizer_path``); the context length (``context_length``, else the
         tokenizer's ``model_max_length``, 8192 where it has none), stop tokens and vocabulary size."""
-        from transformers import AutoTokenizer  # after the stub's locale fix
-
-        self.tokenizer = AutoTokenizer.from_pretrained(self.settings.tokenizer_path)
+        self.tokenizer = load_tokenizer(self.settings.tokenizer_path)  # after the stub's locale fix
         self.context_length = self.settings.context_length or int(
             getattr(self.tokenizer, "model_max_length", 8192) if
             getattr(self.tokenizer, "model_max_length", 0) < 10**7 else 8192)
