@@ -353,6 +353,7 @@ def test_entrypoint_dry_run_prints_the_server_command_and_repository(tmp_path):
     assert argv[-1] == "--log-verbose=1"
     # no pooled gRPC request states: each kept its last request, huge ones too (docs/reliability.md)
     assert argv[argv.index("--grpc-infer-allocation-pool-size") + 1] == "0"
+    assert "--disable-auto-complete-config" in argv  # complete configs: no auto-complete stub per model
     loads = [argv[i + 1] for i, a in enumerate(argv) if a == "--load-model"]
     assert loads == ["llm", "slm", "token_router"]  # models before the router
     assert set(_dry_run_configs(r.stdout)) == set(loads)

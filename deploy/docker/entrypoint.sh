@@ -140,6 +140,7 @@ server_args=(
     --model-load-thread-count 1
     --model-control-mode explicit
     --grpc-infer-allocation-pool-size 0   # as deploy/serve: no pooled request states (docs/reliability.md)
+    --disable-auto-complete-config        # as deploy/serve: complete configs, no extra stub per model
 )
 for m in "${hosted[@]}"; do server_args+=(--load-model "$m"); done
 server_args+=(${extra_args[@]+"${extra_args[@]}"})
