@@ -400,6 +400,10 @@ def test_entrypoint_refuses_tcp_without_keys(tmp_path):
     (["--pair", "demo", "--set", "llm.prefill_chunk_tokns=256"],
      "--set llm.prefill_chunk_tokns: not a config parameter of llm (role llm;"),
     (["--pair", "demo", "--set", "llm=256"], "--set expects MODEL.KEY=VALUE, got 'llm=256'"),
+    (["--pair", "demo", "--set", "token_router.default_max_tokens=0"],
+     "model token_router: default_max_tokens must be >= 1, got 0"),
+    (["--pair", "demo", "--set", "llm.malloc_mmap_threshold_bytes=99999999999"],
+     "model llm: malloc_mmap_threshold_bytes must be >= 0 and <= 33554432"),
 ])
 def test_serve_refuses_bad_options_before_starting(args, message):
     """A bad option ends deploy/serve at once with one clear line: nothing is set up or started."""

@@ -33,6 +33,8 @@ pytestmark = pytest.mark.server
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: KV pool of each model (tokens): two flood requests fit at once
 KV_POOL = 1024
+#: the llm's malloc_mmap_threshold_bytes (the slm keeps glibc's own threshold)
+MMAP_THRESHOLD = 1 << 20
 #: requests that may wait for KV on a model; more are refused at once as busy
 MODEL_QUEUE = 2
 #: seconds a request may wait in a queue (router and models)
@@ -56,7 +58,8 @@ def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("limits")
     model = {"kv_pool_tokens": KV_POOL, "max_queued_requests": MODEL_QUEUE, "queue_timeout_s": QUEUE_TIMEOUT_S}
     repo = make_variant(str(REPO_ROOT / "model_repository"), str(work / "repo"), model_params={
-        "slm": model, "llm": model, "token_router": {"queue_timeout_s": QUEUE_TIMEOUT_S}})
+        "slm": model, "llm": {**model, "malloc_mmap_threshold_bytes": MMAP_THRESHOLD},
+        "token_router": {"queue_timeout_s": QUEUE_TIMEOUT_S}})
     with running_server(repo, work) as s:
         yield s
 
@@ -360,3 +363,12 @@ def test_openai_frontend_answers_busy_as_503(server, frontend):
             assert err["code"] == "server_busy" and err["message"].startswith("busy: "), err
             assert r.headers.get("Retry-After") == "1"
     wait_kv_released(server)
+
+
+def test_mmap_threshold_setting_is_in_force_and_reported(server):
+    """``malloc_mmap_threshold_bytes`` set on one model only: its ``stats`` report it in force, and
+    the other model's report 0 (the C library's own threshold)."""
+    from tokenrouter.tools import admin
+
+    assert admin.model_stats(server.grpc_url, "llm")["malloc_mmap_threshold_bytes"] == MMAP_THRESHOLD
+    assert admin.model_stats(server.grpc_url, "slm")["malloc_mmap_threshold_bytes"] == 0

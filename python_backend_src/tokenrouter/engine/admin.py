@@ -62,7 +62,8 @@ class AdminOpsMixin:
         prefills run: one per request and step whose new tokens did not all fit the step's
         ``prefill_chunk_tokens`` budget) and that setting; ``malloc_trims``, ``malloc_trim_s`` and
         ``malloc_trim_released_bytes`` (freed host memory given back: ``malloc_trim_interval_s``,
-        :class:`~tokenrouter.engine.host_memory.HostMemoryTrimmer`) and what the heap holds
+        :class:`~tokenrouter.engine.host_memory.HostMemoryTrimmer`), ``malloc_mmap_threshold_bytes`` (the
+        fixed mmap threshold in force, the setting of that name; 0: the C library's own) and what the heap holds
         (``python_allocated_blocks``, ``malloc_in_use_bytes``, ``malloc_free_bytes``,
         ``malloc_mmapped_bytes``: :func:`~tokenrouter.engine.host_memory.heap_stats`); the prefix cache's sizes and
         counters in tokens (``prefix_cache_*``, ``kv_tokens_allocated``: see
@@ -102,6 +103,7 @@ class AdminOpsMixin:
                 "malloc_trims": self.trimmer.trims,
                 "malloc_trim_s": self.trimmer.seconds,
                 "malloc_trim_released_bytes": self.trimmer.released_bytes,
+                "malloc_mmap_threshold_bytes": self.mmap_threshold_bytes,
                 **heap_stats(),
                 **self.engine.prefix_cache_stats(),
                 **self.constrained.stats(),

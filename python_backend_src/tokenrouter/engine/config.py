@@ -39,7 +39,7 @@ class EngineConfig:
         "(``avx512_bf16``, AMX), else float32 (:func:`tokenrouter.engine.device.resolve_dtype`)"))
     kv_pool_tokens: int = param(16384, unit="tokens", ge=1, doc="size of the model's private KV pool")
     max_running_requests: int = param(32, unit="requests", ge=1, doc="request rows in the pool (running + pending)")
-    context_length: Optional[int] = param(None, unit="tokens", unset=0, shown="the checkpoint's",
+    context_length: Optional[int] = param(None, unit="tokens", ge=1, unset=0, shown="the checkpoint's",
                                           doc="longest sequence (prompt + output); None (0): the model's own")
     torch_threads: int = param(0, unit="threads", ge=0,
                                doc="intra-op threads of this model's process; 0 leaves torch's")

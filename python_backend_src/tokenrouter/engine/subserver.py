@@ -94,8 +94,12 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         self.strategy: DecodeStrategy = self._choose_strategy()
         self.counters = collections.Counter()
         self.trimmer = HostMemoryTrimmer(self.config.malloc_trim_interval_s)
-        if self.config.malloc_mmap_threshold_bytes:
-            set_mmap_threshold(self.config.malloc_mmap_threshold_bytes)
+        #: the mmap threshold this process runs with (bytes; 0: the C library's own, dynamic one)
+        self.mmap_threshold_bytes = 0
+        if self.config.malloc_mmap_threshold_bytes and set_mmap_threshold(self.config.malloc_mmap_threshold_bytes):
+            self.mmap_threshold_bytes = self.config.malloc_mmap_threshold_bytes
+            logger.info("%s: glibc's mmap threshold fixed at %d bytes (malloc_mmap_threshold_bytes)",
+                        self.name, self.mmap_threshold_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{self.name}", daemon=True)
         self._thread.start()

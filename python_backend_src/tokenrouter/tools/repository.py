@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from typing import Dict, Iterable, List, Mapping, Optional
 
 __all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_variant", "add_router",
@@ -359,6 +360,27 @@ def check_settings(src: str, settings: Mapping[str, Mapping[str, str]]) -> None:
                                  "docs/configuration.md lists them)")
 
 
+def check_models(repo: str, models: Iterable[str]) -> None:
+    """Read each of ``models`` of the written repository ``repo`` as its load will
+    (:meth:`~tokenrouter.triton.settings.RouterSettings.from_parameters` or
+    :meth:`~tokenrouter.triton.settings.LLMSettings.from_parameters`, by its ``role``), so that a bad
+    value is refused before a server starts.
+
+    Raises:
+        ValueError: ``model M: <the load's message>`` (a malformed value or one out of range, an
+            unknown algorithm, a missing checkpoint folder, ...).
+    """
+    from tokenrouter.triton.settings import LLMSettings, ModelRole, RouterSettings
+
+    for m in models:
+        params = {k: v.string_value for k, v in read_config(os.path.join(repo, m, "config.pbtxt")).parameters.items()}
+        try:
+            role = ModelRole.from_parameters(params).role
+            (RouterSettings if role == "router" else LLMSettings).from_parameters(params)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"model {m}: {e}") from None
+
+
 def main(argv: Optional[Iterable[str]] = None) -> int:
     """CLI: write a repository variant."""
     ap = argparse.ArgumentParser(prog="python -m tokenrouter.tools.repository", description=__doc__.split("\n\n")[0])
@@ -392,9 +414,11 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
         for m, p in settings.items():
             params.setdefault(m, {}).update(p)
         make_variant(a.src, a.out, a.pair, model_params=params, routers=routers)
+        check_models(a.out, settings)
         check_tokenizers(a.out)
     except (ValueError, FileExistsError, FileNotFoundError) as e:
-        ap.error(str(e))
+        print(f"{ap.prog}: error: {e}", file=sys.stderr)  # not argparse's usage: the options were well formed
+        return 2
     print(a.out)
     return 0
 

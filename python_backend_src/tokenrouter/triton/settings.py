@@ -304,11 +304,11 @@ class RouterSettings:
     algorithm_params: Mapping[str, Any] = param(default_factory=dict, kind=str, doc=(
         "JSON object: the algorithm's parameters; the field holds them as the algorithm validated them "
         "(``RoutingAlgorithm.validate_params``: its defaults filled in)"))
-    default_max_tokens: int = param(16, unit="tokens", doc="``max_tokens`` of a request that sets none")
+    default_max_tokens: int = param(16, unit="tokens", ge=1, doc="``max_tokens`` of a request that sets none")
     tokenizer_path: str = param(DEFAULT_CHECKPOINT, doc=(
         "the models' tokenizer folder, absolute or under the weights folder; the field holds it "
         "resolved to an absolute folder (:func:`~tokenrouter.triton.common.resolve_model_path`)"))
-    context_length: int = param(0, unit="tokens", shown="the tokenizer's `model_max_length`", doc=(
+    context_length: int = param(0, unit="tokens", ge=0, shown="the tokenizer's `model_max_length`", doc=(
         "longest prompt + output a request may reach; 0: the tokenizer's ``model_max_length`` (8192 "
         "where it has none or a huge one)"))
     max_concurrent_requests: int = param(16, unit="requests", ge=1, doc=(
@@ -325,7 +325,7 @@ class RouterSettings:
     transport: str = param("zmq", choices=TRANSPORTS, fold_case=True, doc=(
         "how the router reaches the models: ``zmq`` (the ZeroMQ channel) or ``triton`` (every visit of a "
         "request to a model is a BLS request; no ``remote_models``); case-insensitive"))
-    peer_timeout_s: float = param(600.0, unit="s", doc="a model silent this long fails the request; 0: never")
+    peer_timeout_s: float = param(600.0, unit="s", ge=0, doc="a model silent this long fails the request; 0: never")
     heartbeat_interval_s: float = param(0.5, unit="s", doc=(
         "time between two pings of a remote replica (with ``transport: zmq``, > 0 and < "
         "``heartbeat_timeout_s``)"))
