@@ -149,6 +149,11 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
             try:  # hung: no response for request_timeout_s (a stream's clock restarts at each chunk)
                 result, error = q.get(timeout=max(0.1, last + request_timeout_s - time.perf_counter()))
             except queue.Empty:
+                if not stream and not out.get("late"):
+                    # a plain request sends nothing before its end: wait as long again, so that an
+                    # answer that comes late is told apart from none ("slow", not "hung")
+                    out["late"], last = True, time.perf_counter()
+                    continue
                 out["outcome"], out["chunks"] = "hung", chunks
                 return out
             last = time.perf_counter()
@@ -173,7 +178,7 @@ def _one(url: str, model: str, rng: random.Random, kind: str, request_timeout_s:
                     out["handoffs"] = int(summ.get("handoffs", 0))
                     n = result.as_numpy("num_output_tokens")
                     out["tokens"] = int(n.reshape(-1)[0]) if n is not None and n.size else 0
-                    out["outcome"] = "ok"
+                    out["outcome"] = "slow" if out.get("late") else "ok"
                 else:
                     out["outcome"] = "ok-no-summary" if kind == "cancel" else "bad-final"
                 return out
@@ -304,7 +309,9 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
         thresholds: routing thresholds drawn per request (``routing_threshold``);
             empty to use the server's.
         request_timeout_s: a request that gets no response for this long (s; a stream's clock
-            starts again at each chunk) is "hung".
+            starts again at each chunk) is "hung"; a non-streamed request, which has no response
+            before its end, gets twice as long, and one answered in the second half is "slow"
+            (its end-to-end seconds in ``slow_answers_e2e_s``; not a problem).
         kill_stub: models (comma-separated) whose stubs are SIGKILLed in turn ("" = none).
         kill_every_s: seconds between two kills (the mean of random intervals, or the period
             with ``kill_periodic``).
@@ -379,7 +386,9 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
             if first and i < len(first_kinds):
                 kind = first_kinds[i]
             first = False
+            started = time.monotonic() - (stop_at - seconds)
             r = _one(url, router, rng, kind, request_timeout_s, thresholds, hostile_mib, max_tokens, long_fraction)
+            r["t_start_s"] = round(started, 1)
             with lock:
                 records.append(r)
                 n = len(records)
@@ -402,8 +411,9 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
     for r in records:
         outcomes.setdefault(r["kind"], Counter())[r["outcome"]] += 1
         if r["outcome"] == "hung":
-            problems.append(f"a {r['kind']} request got no response for {request_timeout_s:.0f} s "
-                            f"(after {r.get('chunks', 0)} chunks, {r['e2e_s']:.0f} s in all)")
+            wait = "twice that: no response for" if r.get("late") else "no response for"
+            problems.append(f"a {r['kind']} request started at {r['t_start_s']:.0f} s got {wait} "
+                            f"{request_timeout_s:.0f} s (after {r.get('chunks', 0)} chunks, {r['e2e_s']:.0f} s in all)")
         elif r["kind"] == "bad" and r["outcome"] != "error":
             problems.append(f"a malformed request was not rejected: {r}")
         elif r["kind"] == "hostile" and not (r["outcome"] == "error" and (
@@ -412,7 +422,7 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                             f"{r['outcome']} {r['error'][:200]}")
         elif r["kind"] in ("stream", "plain") and r["outcome"] == "busy":
             pass  # overload answered as overload
-        elif r["kind"] in ("stream", "plain") and r["outcome"] != "ok" and not (
+        elif r["kind"] in ("stream", "plain") and r["outcome"] not in ("ok", "slow") and not (
                 kill_stub and r["outcome"] == "error" and _down_error(r["error"])):
             problems.append(f"a valid {r['kind']} request failed: {r['outcome']} {r['error'][:200]}")
         elif r["kind"] in ("cancel", "disconnect") and r["outcome"] not in ("cancelled", "ok", "ok-no-summary") and not (
@@ -480,7 +490,10 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                 hostile.setdefault(r["hostile"], Counter())[r["outcome"]] += 1
         extra["hostile"] = {k: dict(v) for k, v in hostile.items()}
     extra["busy"] = sum(1 for r in records if r["outcome"] == "busy")
-    answered = sorted(r["e2e_s"] for r in records if r["outcome"] == "ok")
+    slow = sorted(round(r["e2e_s"], 1) for r in records if r["outcome"] == "slow")
+    if slow:  # plain requests answered after request_timeout_s (end-to-end seconds): slow, not lost
+        extra["slow_answers_e2e_s"] = slow
+    answered = sorted(r["e2e_s"] for r in records if r["outcome"] in ("ok", "slow"))
     if answered:  # how long an answer took, end to end (s)
         extra["answer_e2e_s"] = {"p50": round(answered[len(answered) // 2], 1),
                                  "p90": round(answered[int(0.9 * (len(answered) - 1))], 1),
