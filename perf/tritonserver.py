@@ -261,7 +261,8 @@ class TritonServer:
             "--disable-auto-complete-config",
             *self.extra_args,
         ]
-        env = {**os.environ, **self.env}
+        # as deploy/serve: tritonserver's large buffers unmapped when freed (the stubs set their own)
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576"), **self.env}
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

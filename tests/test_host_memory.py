@@ -122,3 +122,41 @@ def test_mmap_threshold_out_of_range_is_refused():
             set_mmap_threshold(bad)
     with pytest.raises(ValueError, match=r"malloc_mmap_threshold_bytes must be >= 0 and <= 33554432"):
         SubserverConfig(malloc_mmap_threshold_bytes=MAX_MMAP_THRESHOLD_BYTES + 1)
+
+
+_UNDO_PROBE = r"""
+import ctypes, ctypes.util, json
+from tokenrouter.engine.host_memory import heap_stats, undo_inherited_mmap_threshold
+libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.malloc.argtypes = [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+undone = undo_inherited_mmap_threshold()
+b = libc.malloc(4 * 2**20)
+print(json.dumps([undone, heap_stats()["malloc_mmapped_bytes"] >= 4 * 2**20]))
+libc.free(b)
+"""
+
+
+def test_a_threshold_inherited_from_tritonserver_is_replaced_at_load():
+    """deploy/serve fixes tritonserver's mmap threshold at 1 MiB (MALLOC_MMAP_THRESHOLD_) and the
+    stubs inherit it; a model process puts its own at 32 MiB, so a 4 MiB buffer is a heap buffer
+    again. Without the variable nothing is changed."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tokenrouter.engine.host_memory import heap_stats
+
+    if "malloc_mmapped_bytes" not in heap_stats():
+        pytest.skip("the C library has no mallinfo2 (not glibc >= 2.33)")
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+
+    def probe(extra):
+        out = subprocess.run([sys.executable, "-c", _UNDO_PROBE], check=True, capture_output=True, text=True,
+                             env={**env, **extra}).stdout
+        return json.loads(out)
+
+    assert probe({"MALLOC_MMAP_THRESHOLD_": "1048576"}) == [True, False]
+    assert probe({})[0] is False

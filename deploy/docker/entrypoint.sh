@@ -192,4 +192,6 @@ PY
     ) &
 fi
 echo "$prog: tritonserver (target $target, models ${hosted[*]}): $summary" >&2
+# as deploy/serve: tritonserver's large buffers unmapped when freed (the stubs set their own at load)
+export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1048576}"
 exec "$TRITONSERVER" "${server_args[@]}"

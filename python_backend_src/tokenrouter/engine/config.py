@@ -136,7 +136,8 @@ class SubserverConfig:
         "host buffers at least this large are mapped afresh and unmapped when freed (glibc's "
         "``M_MMAP_THRESHOLD``, set in the model's process when it loads), so that a step's large "
         "activation buffers do not stay inside the heap between steps; 0: the C library's own "
-        "(dynamic) threshold"))
+        "(dynamic) threshold, or, where the process inherited a fixed one (``MALLOC_MMAP_THRESHOLD_``, "
+        "which ``deploy/serve`` sets for tritonserver), 32 MiB, where the dynamic one ends up"))
 
     def __post_init__(self) -> None:
         check_ranges(self)

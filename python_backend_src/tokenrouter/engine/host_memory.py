@@ -31,13 +31,16 @@ import sys
 import time
 from typing import Callable, Dict, Optional
 
-__all__ = ["HostMemoryTrimmer", "MAX_MMAP_THRESHOLD_BYTES", "heap_stats", "resident_anonymous_bytes",
-           "set_mmap_threshold"]
+__all__ = ["HostMemoryTrimmer", "MAX_MMAP_THRESHOLD_BYTES", "MMAP_THRESHOLD_ENV", "heap_stats",
+           "resident_anonymous_bytes", "set_mmap_threshold", "undo_inherited_mmap_threshold"]
 
 #: the largest mmap threshold glibc accepts on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``: 32 MiB)
 MAX_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
-#: ``mallopt``'s parameter number for the mmap threshold (``M_MMAP_THRESHOLD`` in malloc.h)
-_M_MMAP_THRESHOLD = -3
+#: ``mallopt``'s parameter numbers for the trim and mmap thresholds (``M_TRIM_THRESHOLD``,
+#: ``M_MMAP_THRESHOLD`` in malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+#: the environment variable through which glibc fixes a process's mmap threshold at start
+MMAP_THRESHOLD_ENV = "MALLOC_MMAP_THRESHOLD_"
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +94,29 @@ def set_mmap_threshold(nbytes: int) -> bool:
     if mallopt(_M_MMAP_THRESHOLD, int(nbytes)) != 1:
         raise ValueError(f"mallopt(M_MMAP_THRESHOLD, {nbytes}) refused the value")
     return True
+
+
+def undo_inherited_mmap_threshold() -> bool:
+    """Where this process started with a fixed mmap threshold from its environment
+    (:data:`MMAP_THRESHOLD_ENV`: ``deploy/serve`` sets one for tritonserver, and the model stubs
+    inherit tritonserver's environment), set the mmap threshold to :data:`MAX_MMAP_THRESHOLD_BYTES`
+    and the trim threshold to twice that: where glibc's dynamic thresholds stand once a process has
+    freed a block of 32 MiB or more, as a model's has after loading its weights.  A model then
+    steps as with glibc's own threshold (a small one costs prefill steps page faults:
+    docs/reliability.md, "Memory over time").
+
+    Returns:
+        whether it did (False: no such variable, or the C library has no ``mallopt``).
+    """
+    import os
+
+    if not os.environ.get(MMAP_THRESHOLD_ENV):
+        return False
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int], ctypes.c_int)
+    if mallopt is None:
+        return False
+    return (mallopt(_M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD_BYTES) == 1
+            and mallopt(_M_TRIM_THRESHOLD, 2 * MAX_MMAP_THRESHOLD_BYTES) == 1)
 
 
 def heap_stats() -> Dict[str, int]:

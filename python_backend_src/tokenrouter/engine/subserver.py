@@ -35,7 +35,8 @@ from .admin import AdminOpsMixin
 from .admission import AdmissionMixin
 from .config import SubserverConfig
 from .constrained import ConstrainedDecoding
-from .host_memory import HostMemoryTrimmer, set_mmap_threshold
+from .host_memory import (MAX_MMAP_THRESHOLD_BYTES, HostMemoryTrimmer, set_mmap_threshold,
+                          undo_inherited_mmap_threshold)
 from .inbox import LoopCall, Release, Stop, Submit, SubmitGroup
 from .lockstep import LockStep
 from .output_processor import OutputProcessorMixin
@@ -98,8 +99,10 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         self.mmap_threshold_bytes = 0
         if self.config.malloc_mmap_threshold_bytes and set_mmap_threshold(self.config.malloc_mmap_threshold_bytes):
             self.mmap_threshold_bytes = self.config.malloc_mmap_threshold_bytes
-            logger.info("%s: glibc's mmap threshold fixed at %d bytes (malloc_mmap_threshold_bytes)",
-                        self.name, self.mmap_threshold_bytes)
+        elif not self.config.malloc_mmap_threshold_bytes and undo_inherited_mmap_threshold():
+            self.mmap_threshold_bytes = MAX_MMAP_THRESHOLD_BYTES  # tritonserver's own threshold, not the model's
+        if self.mmap_threshold_bytes:
+            logger.info("%s: glibc's mmap threshold fixed at %d bytes", self.name, self.mmap_threshold_bytes)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"decode-loop-{self.name}", daemon=True)
         self._thread.start()
