@@ -32,7 +32,8 @@ import time
 from typing import Callable, Dict, Optional
 
 __all__ = ["HostMemoryTrimmer", "MAX_MMAP_THRESHOLD_BYTES", "MMAP_THRESHOLD_ENV", "heap_stats",
-           "resident_anonymous_bytes", "set_mmap_threshold", "undo_inherited_mmap_threshold"]
+           "resident_anonymous_bytes", "apply_mmap_threshold", "set_mmap_threshold",
+           "undo_inherited_mmap_threshold"]
 
 #: the largest mmap threshold glibc accepts on 64-bit systems (``DEFAULT_MMAP_THRESHOLD_MAX``: 32 MiB)
 MAX_MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024
@@ -117,6 +118,22 @@ def undo_inherited_mmap_threshold() -> bool:
         return False
     return (mallopt(_M_MMAP_THRESHOLD, MAX_MMAP_THRESHOLD_BYTES) == 1
             and mallopt(_M_TRIM_THRESHOLD, 2 * MAX_MMAP_THRESHOLD_BYTES) == 1)
+
+
+def apply_mmap_threshold(setting: int) -> int:
+    """A model process's mmap threshold at load, from its ``malloc_mmap_threshold_bytes``: ``setting``
+    itself when > 0 (:func:`set_mmap_threshold`), else 32 MiB in place of a fixed threshold inherited
+    from the environment (:func:`undo_inherited_mmap_threshold`), else nothing done.
+
+    Returns:
+        the threshold now fixed, in bytes; 0 where glibc's own dynamic one stays (or no glibc).
+
+    Raises:
+        ValueError: ``setting`` above :data:`MAX_MMAP_THRESHOLD_BYTES`.
+    """
+    if setting:
+        return setting if set_mmap_threshold(setting) else 0
+    return MAX_MMAP_THRESHOLD_BYTES if undo_inherited_mmap_threshold() else 0
 
 
 def heap_stats() -> Dict[str, int]:

@@ -35,8 +35,7 @@ from .admin import AdminOpsMixin
 from .admission import AdmissionMixin
 from .config import SubserverConfig
 from .constrained import ConstrainedDecoding
-from .host_memory import (MAX_MMAP_THRESHOLD_BYTES, HostMemoryTrimmer, set_mmap_threshold,
-                          undo_inherited_mmap_threshold)
+from .host_memory import HostMemoryTrimmer, apply_mmap_threshold
 from .inbox import LoopCall, Release, Stop, Submit, SubmitGroup
 from .lockstep import LockStep
 from .output_processor import OutputProcessorMixin
@@ -96,11 +95,7 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         self.counters = collections.Counter()
         self.trimmer = HostMemoryTrimmer(self.config.malloc_trim_interval_s)
         #: the mmap threshold this process runs with (bytes; 0: the C library's own, dynamic one)
-        self.mmap_threshold_bytes = 0
-        if self.config.malloc_mmap_threshold_bytes and set_mmap_threshold(self.config.malloc_mmap_threshold_bytes):
-            self.mmap_threshold_bytes = self.config.malloc_mmap_threshold_bytes
-        elif not self.config.malloc_mmap_threshold_bytes and undo_inherited_mmap_threshold():
-            self.mmap_threshold_bytes = MAX_MMAP_THRESHOLD_BYTES  # tritonserver's own threshold, not the model's
+        self.mmap_threshold_bytes = apply_mmap_threshold(self.config.malloc_mmap_threshold_bytes)
         if self.mmap_threshold_bytes:
             logger.info("%s: glibc's mmap threshold fixed at %d bytes", self.name, self.mmap_threshold_bytes)
         self._stop = threading.Event()

@@ -336,46 +336,35 @@ def parse_settings(items: Iterable[str]) -> Dict[str, Dict[str, str]]:
     return out
 
 
-def check_settings(src: str, settings: Mapping[str, Mapping[str, str]]) -> None:
-    """Check that each ``{model: {key: value}}`` of ``settings`` names a config parameter its model
-    declares (:func:`tokenrouter.triton.settings.llm_parameters` or ``router_parameters``, by the
-    model's ``role`` in ``src``); a model absent from ``src`` is left to :func:`make_variant`.
-
-    Raises:
-        ValueError: ``--set MODEL.KEY: not a config parameter of MODEL (role ROLE; ...)``.
-    """
-    from tokenrouter.triton.settings import llm_parameters, router_parameters
-
-    declared = {"llm": {k for k, *_ in llm_parameters()} | {"role"},
-                "router": {k for k, *_ in router_parameters()}}
-    for model, kvs in settings.items():
-        path = os.path.join(src, model, "config.pbtxt")
-        if not os.path.isfile(path):
-            continue
-        params = read_config(path).parameters
-        role = params["role"].string_value.strip().lower() if "role" in params else "llm"
-        for key in kvs:
-            if key not in declared.get(role, ()):
-                raise ValueError(f"--set {model}.{key}: not a config parameter of {model} (role {role}; "
-                                 "docs/configuration.md lists them)")
-
-
-def check_models(repo: str, models: Iterable[str]) -> None:
-    """Read each of ``models`` of the written repository ``repo`` as its load will
+def check_models(repo: str, settings: Mapping[str, Mapping[str, str]]) -> None:
+    """Check the models that ``settings`` (``{model: {key: value}}``, ``--set``) changed in the written
+    repository ``repo``: each key must be a config parameter its model declares
+    (:func:`tokenrouter.triton.settings.llm_parameters` or ``router_parameters``, by its ``role``), and
+    the model's parameters must read as its load will read them
     (:meth:`~tokenrouter.triton.settings.RouterSettings.from_parameters` or
-    :meth:`~tokenrouter.triton.settings.LLMSettings.from_parameters`, by its ``role``), so that a bad
-    value is refused before a server starts.
+    :meth:`~tokenrouter.triton.settings.LLMSettings.from_parameters`), so that a bad value is
+    refused before a server starts.
 
     Raises:
-        ValueError: ``model M: <the load's message>`` (a malformed value or one out of range, an
-            unknown algorithm, a missing checkpoint folder, ...).
+        ValueError: ``--set MODEL.KEY: not a config parameter of MODEL (role ROLE; ...)``, or
+            ``model M: <the load's message>`` (a malformed value or one out of range, an unknown
+            algorithm, a missing checkpoint folder, ...).
     """
-    from tokenrouter.triton.settings import LLMSettings, ModelRole, RouterSettings
+    from tokenrouter.triton.settings import (LLMSettings, ModelRole, RouterSettings, llm_parameters,
+                                             router_parameters)
 
-    for m in models:
+    for m, kvs in settings.items():
         params = {k: v.string_value for k, v in read_config(os.path.join(repo, m, "config.pbtxt")).parameters.items()}
         try:
             role = ModelRole.from_parameters(params).role
+        except ValueError as e:
+            raise ValueError(f"model {m}: {e}") from None
+        declared = {k for k, *_ in (router_parameters() if role == "router" else llm_parameters())} | {"role"}
+        for key in kvs:
+            if key not in declared:
+                raise ValueError(f"--set {m}.{key}: not a config parameter of {m} (role {role}; "
+                                 "docs/configuration.md lists them)")
+        try:
             (RouterSettings if role == "router" else LLMSettings).from_parameters(params)
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"model {m}: {e}") from None
@@ -410,7 +399,6 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
             d for d in os.listdir(a.src) if os.path.isfile(os.path.join(a.src, d, "config.pbtxt")))
         params = serving_params(a.src, served, a.remote, a.peer_port, a.keys, a.curve == "on")
         settings = parse_settings(a.set)
-        check_settings(a.src, settings)
         for m, p in settings.items():
             params.setdefault(m, {}).update(p)
         make_variant(a.src, a.out, a.pair, model_params=params, routers=routers)
