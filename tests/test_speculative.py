@@ -542,8 +542,9 @@ def test_logprobs_of_verified_tokens_come_from_their_writer(server, router):
 
     tok = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
     prompt = PROMPTS[2]
-    plain = generate(server, prompt, greedy(16), model=router, timeout=TIMEOUT)
-    out = generate(server, prompt, greedy(16, logprobs=4), model=router, timeout=TIMEOUT)
+    # seed: the drafts' draws keyed by it, not by the request id (the same rounds every run)
+    plain = generate(server, prompt, greedy(16, seed=5), model=router, timeout=TIMEOUT)
+    out = generate(server, prompt, greedy(16, seed=5, logprobs=4), model=router, timeout=TIMEOUT)
     assert _ids(out) == _ids(plain)
     spec = out["routing_summary"]["speculative"]
     assert 0 < spec["accepted"] < spec["drafted"], spec  # kept drafts and replaced ones

@@ -309,16 +309,21 @@ def _json_of(out, schema):
 
 @pytest.mark.parametrize("router", ROUTED)
 def test_json_schema_output_validates_on_every_route(server, router):
-    outs = generate_many(server, [(p, _guided(schema)) for p, schema in zip(PROMPTS, SCHEMAS)], chat=True,
-                         model=router, timeout=TIMEOUT)
+    # a sampling seed keys random routing's and the drafts' draws (else the request id: a different
+    # route every run); greedy output does not depend on it
+    outs = generate_many(server, [(p, _guided(schema, seed=11)) for p, schema in zip(PROMPTS, SCHEMAS)],
+                         chat=True, model=router, timeout=TIMEOUT)
     for schema, out in zip(SCHEMAS, outs):
         _json_of(_ok(out), schema)
         summ = out["routing_summary"]
         if router in ("token_router", "token_router_random"):
             # both models wrote tokens of this one JSON text
             assert summ["handoffs"] >= 1 and min(summ["tokens_by_model"].values()) >= 1, summ
-        if router == "token_router_spec_reject":
-            assert summ["speculative"]["drafted"] > summ["speculative"]["accepted"], summ
+    if router == "token_router_spec_reject":
+        # drafts at temperature 1 under a grammar: some rejected over the three texts (one text's
+        # drafts can all be forced tokens, all kept)
+        spec = [out["routing_summary"]["speculative"] for out in outs]
+        assert sum(s["drafted"] for s in spec) > sum(s["accepted"] for s in spec), spec
 
 
 def test_regex_choice_and_grammar_forms(server):
@@ -365,7 +370,8 @@ def test_logprobs_under_a_grammar_are_the_raw_distribution_s(server):
     from tr_client import assert_from_writers, token_logprobs
 
     prompt = "What is the capital of France?"
-    sp = {"max_tokens": 16, "temperature": 0, "guided_choice": ["Tokyo is far", "London is far"]}
+    # seed 3 keys random routing's draws (p 0.5): tokens 0-3 go llm, slm, slm, llm on every run
+    sp = {"max_tokens": 16, "temperature": 0, "seed": 3, "guided_choice": ["Tokyo is far", "London is far"]}
     plain = _ok(generate(server, prompt, sp, chat=True, model="token_router_random", timeout=TIMEOUT))
     out = _ok(generate(server, prompt, {**sp, "logprobs": 3}, chat=True, model="token_router_random",
                        timeout=TIMEOUT))
