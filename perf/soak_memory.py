@@ -43,7 +43,7 @@ def plot(report: dict, png: Path, title: str) -> None:
              if any(n in s["rss_mb"] for s in samples)]
     fig, axes = plt.subplots(len(names), 1, figsize=(8, 2.1 * len(names)), sharex=True)
     for ax, name in zip(axes, names):
-        for key, label in (("rss_mb", "RSS"), ("anon_mb", "anonymous")):
+        for key, label in (("rss_mb", "RSS"), ("anon_mb", "anonymous"), ("shmem_mb", "shared")):
             pts = [(s["t_s"] / 60, s[key][name]) for s in samples if name in s.get(key, {})]
             ax.plot([t for t, _ in pts], [r for _, r in pts], ".-", ms=3, lw=1, label=label)
         for k in report.get("kills", []):

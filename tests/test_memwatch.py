@@ -88,6 +88,9 @@ def test_processes_of_a_server_and_their_memory(tmp_path):
         time.sleep(0.35)
         samples = sampler.stop()
         assert len(samples) >= 3 and all("llm_0_0" in s["rss_mb"] for s in samples)
+        for s in samples:  # VmRSS is the sum of its anonymous, file-backed and shared pages (+-1 page)
+            parts = sum(s[k]["llm_0_0"] for k in ("anon_mb", "file_mb", "shmem_mb"))
+            assert abs(s["rss_mb"]["llm_0_0"] - parts) <= 0.2 and s["file_mb"]["llm_0_0"] > 0, s
         assert [s["probe"] for s in samples[:2]] == [{"llm": {"n": 1}}, {"error": "llm is down"}]
         assert len(calls) == len(samples)
     finally:

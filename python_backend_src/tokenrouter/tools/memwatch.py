@@ -55,9 +55,11 @@ def server_processes(server_pid: int) -> Dict[str, int]:
 def rss_mb(pid: int, field: str = "VmRSS") -> Optional[float]:
     """Resident memory of ``pid`` in MiB, or None when it is gone.
 
-    ``field`` is a line of ``/proc/PID/status``: ``VmRSS`` (all resident pages) or ``RssAnon`` (the
-    anonymous ones: heap, tensors, KV; not the file-backed pages of libraries and mapped weights,
-    which the kernel may drop and read again under memory pressure).
+    ``field`` is a line of ``/proc/PID/status``: ``VmRSS`` (all resident pages), ``RssAnon`` (the
+    anonymous ones: heap, tensors, KV), ``RssFile`` (file-backed pages of libraries and mapped
+    weights, which the kernel may drop and read again under memory pressure) or ``RssShmem``
+    (shared memory, e.g. the Python backend's pool between tritonserver and a stub: counted in
+    both processes; VmRSS = RssAnon + RssFile + RssShmem).
     """
     try:
         with open(f"/proc/{int(pid)}/status") as f:
@@ -81,7 +83,8 @@ class RSSSampler:
             it raises is kept as ``{"error": str}``.
 
     ``samples`` is a list of ``{"t_s": float, "rss_mb": {name: MiB}, "anon_mb": {name: MiB},
-    "pid": {name: pid}}`` (``VmRSS`` and ``RssAnon``, see :func:`rss_mb`; with ``probe`` also
+    "shmem_mb": {name: MiB}, "file_mb": {name: MiB}, "pid": {name: pid}}`` (``VmRSS``,
+    ``RssAnon``, ``RssShmem`` and ``RssFile``, see :func:`rss_mb`; with ``probe`` also
     ``"probe"``), the first taken by :meth:`start`; a process that restarted keeps its name with a
     new pid.
     """
@@ -101,8 +104,10 @@ class RSSSampler:
         """Take one sample now (also called by the thread) and return it."""
         procs = server_processes(self.server_pid)
         rss = {n: r for n, r in ((n, rss_mb(p)) for n, p in procs.items()) if r is not None}
-        anon = {n: r for n, r in ((n, rss_mb(p, "RssAnon")) for n, p in procs.items()) if r is not None}
-        s = {"t_s": round(time.monotonic() - self._t0, 1), "rss_mb": rss, "anon_mb": anon, "pid": procs}
+        s = {"t_s": round(time.monotonic() - self._t0, 1), "rss_mb": rss}
+        for key, field in (("anon_mb", "RssAnon"), ("shmem_mb", "RssShmem"), ("file_mb", "RssFile")):
+            s[key] = {n: r for n, r in ((n, rss_mb(p, field)) for n, p in procs.items()) if r is not None}
+        s["pid"] = procs
         if self.probe is not None:
             try:
                 s["probe"] = self.probe()
@@ -163,7 +168,7 @@ def summarize(samples: Sequence[Dict[str, object]], warmup_s: float, window_s: f
         window_s: length of the final window (s) whose range (max - min) is the flatness figure.
         settle_s: after a process restarts (its pid changed), its samples for this long (s) are
             left out too: a reloading model grows from nothing to its loaded size.
-        key: the samples' figure to summarise: ``"rss_mb"`` or ``"anon_mb"``.
+        key: the samples' figure to summarise: ``"rss_mb"``, ``"anon_mb"``, ``"shmem_mb"`` or ``"file_mb"``.
         until_s: the end of the load (s, on the samples' clock): later samples (a server left idle,
             which gives memory back) count for ``end_mb`` only, not for the window and slope;
             None: every sample counts.

@@ -466,6 +466,8 @@ def run_soak(url: str, seconds: float, concurrency: int, *, models: Sequence[str
                         "traffic_end_s": round(traffic_end_s, 1), "summary": summary,
                         "summary_anon": memwatch.summarize(samples, warmup_s, window_s, max(warmup_s, 60.0),
                                                            key="anon_mb", until_s=traffic_end_s),
+                        "summary_shmem": memwatch.summarize(samples, warmup_s, window_s, max(warmup_s, 60.0),
+                                                            key="shmem_mb", until_s=traffic_end_s),
                         "samples": samples}
         extra["rss"]["heap_change"] = heap_change(samples, models, traffic_end_s - window_s, traffic_end_s,
                                                   settle_s=max(warmup_s, 60.0))
