@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence
 
-__all__ = ["server_processes", "rss_mb", "RSSSampler", "summarize"]
+__all__ = ["server_processes", "rss_mb", "status_mb", "RSSSampler", "summarize"]
 
 _STUB = b"triton_python_backend_stub"
 _INSTANCE = re.compile(rb"[A-Za-z][\w.-]*_\d+_\d+")  # a stub's model instance: <model>_<group>_<index>
@@ -61,14 +61,22 @@ def rss_mb(pid: int, field: str = "VmRSS") -> Optional[float]:
     (shared memory, e.g. the Python backend's pool between tritonserver and a stub: counted in
     both processes; VmRSS = RssAnon + RssFile + RssShmem).
     """
+    return status_mb(pid, (field,)).get(field)
+
+
+def status_mb(pid: int, fields) -> Dict[str, float]:
+    """Several of :func:`rss_mb`'s figures of ``pid`` from one read of ``/proc/PID/status`` (one
+    instant), in MiB: ``{field: MiB}``, empty when the process is gone."""
+    out: Dict[str, float] = {}
     try:
         with open(f"/proc/{int(pid)}/status") as f:
             for line in f:
-                if line.startswith(field + ":"):
-                    return round(int(line.split()[1]) / 1024, 1)
+                name = line.split(":", 1)[0]
+                if name in fields:
+                    out[name] = round(int(line.split()[1]) / 1024, 1)
     except OSError:
-        return None
-    return None
+        return {}
+    return out
 
 
 class RSSSampler:
@@ -103,10 +111,11 @@ class RSSSampler:
     def sample(self) -> Dict[str, object]:
         """Take one sample now (also called by the thread) and return it."""
         procs = server_processes(self.server_pid)
-        rss = {n: r for n, r in ((n, rss_mb(p)) for n, p in procs.items()) if r is not None}
-        s = {"t_s": round(time.monotonic() - self._t0, 1), "rss_mb": rss}
-        for key, field in (("anon_mb", "RssAnon"), ("shmem_mb", "RssShmem"), ("file_mb", "RssFile")):
-            s[key] = {n: r for n, r in ((n, rss_mb(p, field)) for n, p in procs.items()) if r is not None}
+        keys = {"VmRSS": "rss_mb", "RssAnon": "anon_mb", "RssShmem": "shmem_mb", "RssFile": "file_mb"}
+        s = {"t_s": round(time.monotonic() - self._t0, 1), **{key: {} for key in keys.values()}}
+        for n, p in procs.items():
+            for field, mib in status_mb(p, keys).items():
+                s[keys[field]][n] = mib
         s["pid"] = procs
         if self.probe is not None:
             try:
