@@ -27,6 +27,8 @@ import urllib.request
 from pathlib import Path
 from typing import Mapping, Sequence
 
+from tokenrouter.tools.allocator import tritonserver_env
+
 __all__ = ["TritonServer", "TritonServerError", "free_ports"]
 
 
@@ -261,8 +263,10 @@ class TritonServer:
             "--disable-auto-complete-config",
             *self.extra_args,
         ]
-        # as deploy/serve: tritonserver's large buffers unmapped when freed (the stubs set their own)
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576"), **self.env}
+        # as deploy/serve: tritonserver's allocator ($TOKENROUTER_MALLOC, else auto: jemalloc where the host
+        # has it, else glibc with large buffers unmapped when freed); the stubs keep glibc's
+        env = {**os.environ, **self.env}
+        env.update(tritonserver_env(env.get("TOKENROUTER_MALLOC") or "auto", env))
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

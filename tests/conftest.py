@@ -111,6 +111,41 @@ def _order_by_shared_server(items) -> None:
         if item.get_closest_marker("breaks_server") is not None:
             breaks.add(mod)
     items.sort(key=lambda it: (group.get(_module(it), 0), _module(it) in breaks, first[_module(it)]))
+    for mod, g in group.items():  # the workers' scopes (pytest_xdist_make_scheduler) read the files' text
+        if _server_group(mod) != SHARED_SERVERS[g - 1]:
+            raise pytest.UsageError(f"{mod} uses {SHARED_SERVERS[g - 1]} but _server_group() puts it in "
+                                    f"{_server_group(mod)!r}: name the fixture in the file")
+
+
+# ------------------------------------------------------------------ several workers (pytest-xdist)
+def _server_group(module: str) -> str:
+    """The shared server whose users ``module`` (a test file's path, as in a node id) belongs with, or
+    the module itself: the scope that one worker runs whole under ``-n N``."""
+    import re
+
+    try:
+        src = (REPO_ROOT / module).read_text()
+    except OSError:
+        return module
+    for name in SHARED_SERVERS:
+        if re.search(rf"\b{name}\b", src):
+            return name
+    return module
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``tests/run -n 2``: each worker runs whole scopes, a scope being one test file, or all the files
+    that use one shared server (:data:`SHARED_SERVERS`), so that each shared server starts in one worker
+    only and is stopped after its last user there; within a scope the order is the serial one
+    (``breaks_server`` modules last)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedServerScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _server_group(nodeid.split("::", 1)[0])
+
+    return SharedServerScheduling(config, log)
 
 
 def pytest_collection_finish(session):

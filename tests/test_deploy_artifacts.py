@@ -397,6 +397,7 @@ def test_entrypoint_refuses_tcp_without_keys(tmp_path):
     (["--metrics-port", "9000"], "need different ports"),  # the OpenAI front end's default port
     (["--graceful-shutdown-s", "abc"], "--graceful-shutdown-s must be a whole number >= 0, got 'abc'"),
     (["--exit-timeout", "-5"], "--exit-timeout must be a whole number >= 0"),
+    (["--malloc", "tcmalloc"], "--malloc must be auto, jemalloc or glibc, got 'tcmalloc'"),
     (["--pair", "demo", "--set", "llm.prefill_chunk_tokns=256"],
      "--set llm.prefill_chunk_tokns: not a config parameter of llm (role llm;"),
     (["--pair", "demo", "--set", "llm=256"], "--set expects MODEL.KEY=VALUE, got 'llm=256'"),

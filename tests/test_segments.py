@@ -8,7 +8,8 @@ import time
 import pytest
 
 from tokenrouter.protocol import Failed, Handoff, Tokens
-from tokenrouter.routing.segments import TICK, DownMarks, PeerChannelError, PeerDown, PeerDownError, Segments
+from tokenrouter.routing.segments import (TICK, DownMarks, PeerChannelError, PeerDown, PeerDownError, RequestRefused,
+                                          Segments)
 
 HANDOFF = Handoff(to="slm", to_index=0, peer_req="{}", committed=True)
 
@@ -101,13 +102,17 @@ def test_responses_until_final_seen_by_the_transport():
 
 
 def test_responses_raise_for_down_and_error():
+    """A model's refusal of the input is a RequestRefused (the router answers it INVALID_ARG, HTTP 400);
+    its other errors a RuntimeError (INTERNAL)."""
     segs = Segments(tick_s=0.01, stall_timeout_s=1)
     for event, exc, text in [(PeerDown(message="model llm is down: x"), PeerDownError, "down: x"),
-                             (Failed(message="model llm: bad"), RuntimeError, "bad")]:
+                             (Failed(message="model llm: bad"), RuntimeError, "bad"),
+                             (Failed(message="model llm: top_p must be > 0", refused=True), RequestRefused, "top_p")]:
         seg, q = segs.open("llm")
         q.put(([], event))
-        with pytest.raises(exc, match=text):
+        with pytest.raises(exc, match=text) as raised:
             list(segs.responses("llm", seg, q))
+        assert isinstance(raised.value, RequestRefused) == (exc is RequestRefused)
         assert not segs.put(seg, ([], Tokens()))
 
 

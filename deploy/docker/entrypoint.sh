@@ -44,6 +44,8 @@ Server:
   --openai-port N         (\$TOKENROUTER_OPENAI_PORT, default 9000; 0: off; only with the router)
   --repository-out DIR    where the rendered repository goes
                           (\$TOKENROUTER_RUN_REPOSITORY, default \${TMPDIR:-/tmp}/tokenrouter-repository)
+  tritonserver's allocator: \$TOKENROUTER_MALLOC auto (default; jemalloc, which the images
+                          install, else glibc), jemalloc or glibc (docs/reliability.md)
   --dry-run               print the tritonserver command and the rendered repository; exit 0
   -h, --help              this text
 EOF
@@ -192,6 +194,8 @@ PY
     ) &
 fi
 echo "$prog: tritonserver (target $target, models ${hosted[*]}): $summary" >&2
-# as deploy/serve: tritonserver's large buffers unmapped when freed (the stubs set their own at load)
-export MALLOC_MMAP_THRESHOLD_="${MALLOC_MMAP_THRESHOLD_:-1048576}"
-exec "$TRITONSERVER" "${server_args[@]}"
+# as deploy/serve: tritonserver's allocator ($TOKENROUTER_MALLOC, default auto: jemalloc where the image
+# has it, else glibc with large buffers unmapped when freed); the model stubs keep glibc's malloc
+alloc_env=$(python -m tokenrouter.tools.allocator) || exit 2
+mapfile -t server_env <<<"$alloc_env"
+exec env "${server_env[@]}" "$TRITONSERVER" "${server_args[@]}"

@@ -460,9 +460,12 @@ class Failed(SegmentEvent, tag="error", kw_only=True):
 
     Attributes:
         message: the error, starting with ``model <name>: `` for the model's own errors.
+        refused: the model refused the request's input (a bad parameter, a request that can never
+            fit its KV pool or context): the client's error (HTTP 400), not the server's.
     """
 
     message: str
+    refused: bool = False
 
 
 class Answer(msgspec.Struct):

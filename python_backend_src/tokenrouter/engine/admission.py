@@ -73,14 +73,15 @@ class AdmissionMixin:
             algo = self._make_algo(peer_req)
         except ValueError as e:
             self.counters["errors"] += 1
-            sink("error", [], {"message": f"model {self.name}: {e}"})
+            sink("error", [], {"message": f"model {self.name}: {e}", "refused": True})
             return
         if lr is None:
             need = self._reservation(peer_req, len(peer_req.tokens))
             if need > min(self.engine.kv_capacity, self.engine.context_length + 1):
                 sink("error", [], {"message": (
                     f"request needs {need - 1} tokens of KV (prompt + max_tokens), model {self.name} "
-                    f"has {self.engine.kv_capacity} in its pool and a context of {self.engine.context_length}")})
+                    f"has {self.engine.kv_capacity} in its pool and a context of {self.engine.context_length}"),
+                    "refused": True})
                 return
             if self.reserved + need > self.engine.kv_capacity or \
                     len(self.requests) >= self.engine.config.max_running_requests:
@@ -166,7 +167,7 @@ class AdmissionMixin:
         if err is not None:
             self.counters["errors"] += 1
             self.engine.release(seq, cache=False)
-            sink("error", [], {"message": f"model {self.name}: {err}"})
+            sink("error", [], {"message": f"model {self.name}: {err}", "refused": True})
             return
         self.reserved += need
         self.requests[lr.rid] = lr

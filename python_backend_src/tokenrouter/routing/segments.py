@@ -30,6 +30,7 @@ from ..protocol import Answer, Event, Failed, Op, OpWire, PeerReq, Run, encode_o
 logger = logging.getLogger(__name__)
 
 __all__ = ["Transport", "SegmentTransport", "Segments", "DownMarks", "PeerChannelError", "PeerDownError",
+           "RequestRefused",
            "Tick", "PeerDown", "TICK"]
 
 
@@ -179,13 +180,18 @@ class SegmentTransport:
         self._segments.fail(message)
 
 
+class RequestRefused(ValueError):
+    """A model refused the request's input (:attr:`~tokenrouter.protocol.Failed.refused`): the client's
+    error; the message is the model's."""
+
+
 def _raise_for(model: str, ev: Event) -> None:
     """Raise for a :class:`PeerDown` (:class:`PeerDownError`) or a :class:`~tokenrouter.protocol.Failed`
-    (RuntimeError with the model's message)."""
+    (:class:`RequestRefused` where the model refused the input, else RuntimeError; the model's message)."""
     if isinstance(ev, PeerDown):
         raise PeerDownError(model, ev.message or f"model {model} is down")
     if isinstance(ev, Failed):
-        raise RuntimeError(ev.message or f"model {model}: error")
+        raise (RequestRefused if ev.refused else RuntimeError)(ev.message or f"model {model}: error")
 
 
 class Segments:

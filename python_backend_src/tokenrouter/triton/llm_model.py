@@ -289,9 +289,10 @@ class TritonPythonModel:
                         break
                     case TokensReply(sender=sender, tokens=tokens, event=event, final=final):
                         sender.send(self._response(tokens, event), flags=_FINAL if final else 0)
-                    case ErrorReply(sender=sender, message=message):
-                        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message)),
-                                    flags=_FINAL)
+                    case ErrorReply(sender=sender, message=message, invalid=invalid):
+                        code = pb_utils.TritonError.INVALID_ARG if invalid else pb_utils.TritonError.INTERNAL
+                        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
+                            message, code)), flags=_FINAL)
             except Exception:  # noqa: BLE001 - e.g. the caller has gone
                 logger.debug("model %s: response not delivered", self.name, exc_info=True)
             now = time.monotonic()
@@ -306,7 +307,7 @@ class TritonPythonModel:
         thread, a :class:`~tokenrouter.protocol.Failed` as the request's error."""
         def reply(event: ModelEvent, tokens=()) -> None:
             if isinstance(event, Failed):
-                self._io_q.put(ErrorReply(sender, event.message))
+                self._io_q.put(ErrorReply(sender, event.message, invalid=event.refused))
             else:
                 self._io_q.put(TokensReply(sender, list(tokens), event, is_final(event)))
         return reply

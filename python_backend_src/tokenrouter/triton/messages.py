@@ -56,15 +56,18 @@ class FinalOutputs:
 
 @dataclass(frozen=True)
 class ErrorReply:
-    """A final error response (Triton's default error code: INTERNAL / HTTP 400 or 500).
+    """A final error response: Triton's INVALID_ARG (HTTP 400) for the client's error, else INTERNAL
+    (HTTP 500).
 
     Attributes:
         sender: the request's response sender.
         message: the error message the client reads.
+        invalid: the request's input was refused (bad input, or a request that can never fit).
     """
 
     sender: Any
     message: str
+    invalid: bool = False
 
 
 @dataclass(frozen=True)

@@ -70,6 +70,7 @@ from ..engine.grammar import GrammarCompiler
 from ..engine.subserver import BUSY_PREFIX
 from ..routing.curve import CurveClient
 from ..routing.peer import PeerClient, PeerDownError, read_advert, remove_advert, write_advert
+from ..routing.segments import RequestRefused
 from ..protocol import FinishReason
 from ..routing.router_core import drive, make_header
 from .common import model_parameters
@@ -349,12 +350,12 @@ class TritonPythonModel:
                 job = self.parser.parse(request, arrival)
             except ClientError as e:
                 self._out.put(RequestMetrics("invalid"))
-                self._out.put(ErrorReply(request.get_response_sender(), str(e)))
+                self._out.put(ErrorReply(request.get_response_sender(), str(e), invalid=True))
                 continue
             except Exception as e:  # noqa: BLE001
                 logger.exception("router: bad request")
                 self._out.put(RequestMetrics("invalid"))
-                self._out.put(ErrorReply(request.get_response_sender(), f"invalid request: {e}"))
+                self._out.put(ErrorReply(request.get_response_sender(), f"invalid request: {e}", invalid=True))
                 continue
             with self._active_lock:
                 self._active[job.rid] = job
@@ -501,8 +502,10 @@ class TritonPythonModel:
                     # UNAVAILABLE (Triton 2.51's HTTP generate still answers 400)
                     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                         message, pb_utils.TritonError.UNAVAILABLE)), flags=_FINAL)
-                case ErrorReply(sender=sender, message=message):
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=_FINAL)
+                case ErrorReply(sender=sender, message=message, invalid=invalid):
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                        message, pb_utils.TritonError.INVALID_ARG if invalid else pb_utils.TritonError.INTERNAL)),
+                        flags=_FINAL)
         except Exception:  # noqa: BLE001 - e.g. the client has gone
             logger.debug("router: response not delivered", exc_info=True)
 
@@ -519,6 +522,9 @@ class TritonPythonModel:
             logger.error("router: request %s failed: %s", job.rid, e)
             self._out.put(RequestMetrics("error"))
             self._out.put(ErrorReply(job.sender, self.failure.describe(e)))
+        except RequestRefused as e:  # a model refused the input: the client's error
+            self._out.put(RequestMetrics("invalid"))
+            self._out.put(ErrorReply(job.sender, str(e), invalid=True))
         except Exception as e:  # noqa: BLE001 - error to this client only
             if str(e).startswith(BUSY_PREFIX):  # a model's KV queue was full or its wait ran out
                 self._out.put(BusyCount("queue_timeout" if "queue timeout" in str(e) else "queue_full"))

@@ -165,8 +165,9 @@ class _Pump:
             if is_down_error(msg):
                 self.t.mark_down(self.model, f"model {self.model} is down: {msg}")
                 self._emit([], PeerDown(message=f"model {self.model} is down: {msg}"))
-            else:
-                self._emit([], Failed(message=msg))
+            else:  # the model's INVALID_ARG: it refused the input (protocol.Failed.refused)
+                code = resp.error().code()
+                self._emit([], Failed(message=msg, refused=code == self.t.pb_utils.TritonError.INVALID_ARG))
             return
         pb = self.t.pb_utils
         ev_t = pb.get_output_tensor_by_name(resp, "event")
