@@ -289,10 +289,9 @@ class TritonPythonModel:
                         break
                     case TokensReply(sender=sender, tokens=tokens, event=event, final=final):
                         sender.send(self._response(tokens, event), flags=_FINAL if final else 0)
-                    case ErrorReply(sender=sender, message=message, invalid=invalid):
-                        code = pb_utils.TritonError.INVALID_ARG if invalid else pb_utils.TritonError.INTERNAL
-                        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(
-                            message, code)), flags=_FINAL)
+                    case ErrorReply(sender=sender) as reply:
+                        sender.send(pb_utils.InferenceResponse(output_tensors=[], error=reply.triton_error(pb_utils)),
+                                    flags=_FINAL)
             except Exception:  # noqa: BLE001 - e.g. the caller has gone
                 logger.debug("model %s: response not delivered", self.name, exc_info=True)
             now = time.monotonic()

@@ -69,6 +69,11 @@ class ErrorReply:
     message: str
     invalid: bool = False
 
+    def triton_error(self, pb_utils: Any) -> Any:
+        """This reply as ``pb_utils.TritonError`` (the module passed in: no Triton import here)."""
+        code = pb_utils.TritonError.INVALID_ARG if self.invalid else pb_utils.TritonError.INTERNAL
+        return pb_utils.TritonError(self.message, code)
+
 
 @dataclass(frozen=True)
 class BusyReply:

@@ -499,13 +499,11 @@ class TritonPythonModel:
                     sender.send(pb_utils.InferenceResponse(output_tensors=[
                         pb_utils.Tensor(k, v) for k, v in outputs.items()]), flags=_FINAL)
                 case BusyReply(sender=sender, message=message):
-                    # UNAVAILABLE (Triton 2.51's HTTP generate still answers 400)
+                    # UNAVAILABLE: HTTP 503 where tritonserver runs on jemalloc (docs/api.md, "Errors")
                     sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                         message, pb_utils.TritonError.UNAVAILABLE)), flags=_FINAL)
-                case ErrorReply(sender=sender, message=message, invalid=invalid):
-                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                        message, pb_utils.TritonError.INVALID_ARG if invalid else pb_utils.TritonError.INTERNAL)),
-                        flags=_FINAL)
+                case ErrorReply(sender=sender) as reply:
+                    sender.send(pb_utils.InferenceResponse(error=reply.triton_error(pb_utils)), flags=_FINAL)
         except Exception:  # noqa: BLE001 - e.g. the client has gone
             logger.debug("router: response not delivered", exc_info=True)
 
