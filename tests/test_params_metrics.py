@@ -23,8 +23,8 @@ import requests
 import tritonclient.grpc as grpcclient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tr_client import (assert_top_close, concurrently, generate, generate_many, grpc_stream, router_inputs,
-                       token_logprobs, top_n)
+from tr_client import (assert_top_close, concurrently, generate, generate_many, grpc_stream, metric_values,
+                       model_stats, router_inputs, token_logprobs, top_n)
 
 PROMPT = "Count: one, two, three,"
 GREEDY = {"temperature": 0}
@@ -369,3 +369,32 @@ def test_dashboard_metrics_exist_and_agree_with_the_client(triton_server, repo_r
             break
         time.sleep(0.2)
     assert _total(now, m + "num_requests_running") == 0 and _total(now, m + "num_requests_waiting") == 0
+
+
+def test_model_metrics_move_while_a_request_runs(triton_server):
+    """The models' metrics are published while they are busy, not only when they fall idle: during one
+    long streamed request the model's decode counter and KV gauge follow its ``stats`` op."""
+    q: "queue.Queue" = queue.Queue()
+    c = grpcclient.InferenceServerClient(triton_server.grpc_url)
+    c.start_stream(callback=lambda result, error: q.put(error))
+    sampling = {"max_tokens": 600, "temperature": 0, "ignore_eos": True, "routing_threshold": 1.0}  # the SLM only
+    try:
+        c.async_stream_infer("token_router", router_inputs("Tell me a long story.", sampling, True),
+                             enable_empty_final_response=True)
+        seen = []
+        for _ in range(3):  # three reads, each after 25 more streamed chunks
+            for _ in range(25):
+                assert q.get(timeout=120) is None
+            time.sleep(2 * 0.1)  # two of the models' publication intervals
+            published = (metric_values(triton_server, "tokenrouter_decode_tokens_total")["slm"],
+                         metric_values(triton_server, "tokenrouter_kv_tokens_in_use")["slm"])
+            stats = model_stats(triton_server, "slm")
+            seen.append((*published, stats["decode_tokens"], stats["kv_tokens_in_use"]))
+    finally:
+        c.stop_stream(cancel_requests=True)
+        c.close()
+    decoded = [s[0] for s in seen]
+    assert decoded[0] < decoded[1] < decoded[2], seen  # the counter moves during the request
+    for published, kv, stats_decoded, stats_kv in seen:
+        assert kv > 0, seen  # the request's KV is shown while it runs
+        assert 0 <= stats_decoded - published < 25, seen  # a few steps behind the model's own count at most

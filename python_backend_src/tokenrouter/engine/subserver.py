@@ -62,8 +62,8 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
         config: :class:`SubserverConfig`.
         event_sink: optional callable receiving routing events (dicts in
             scheduler_model's event format: ``step`` and ``handoff``).
-        on_idle: optional callable run by the loop after it processes work
-            and has nothing ready (e.g. to refresh metrics).
+        on_pass: optional callable run by the loop after every pass (a step, or a wait that
+            ended), e.g. to snapshot metrics: it must be cheap and limit its own rate.
         configure_algorithm: the routing-algorithm registry,
             ``configure_algorithm(name, params, n_models)`` → ``(algorithm class, checked params)``
             (:func:`tokenrouter.algorithms.configure`; raises ValueError for a bad name or params).
@@ -74,14 +74,14 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
     def __init__(self, engine, name: str,
                  config: Optional[SubserverConfig] = None,
                  event_sink: Optional[Callable[[dict], None]] = None,
-                 on_idle: Optional[Callable[[], None]] = None, *,
+                 on_pass: Optional[Callable[[], None]] = None, *,
                  configure_algorithm: Callable[[str, Any, int], Tuple[type, Dict[str, Any]]]):
         self.engine = engine
         self._configure_algorithm = configure_algorithm
         self.name = name
         self.config = config or SubserverConfig()
         self.event_sink = event_sink
-        self.on_idle = on_idle
+        self.on_pass = on_pass
         self.sampler = BatchSampler()
         # constrained decoding: guided requests' matchers and masks (engine/constrained.py)
         self.constrained = ConstrainedDecoding(engine.config.model_path, engine.vocab_size, self.config.max_batch)
@@ -173,8 +173,8 @@ class Subserver(AdmissionMixin, AdminOpsMixin, OutputProcessorMixin):
                     self._expire_waiting()
                 self.strategy.run(self, self._step)
                 self.trimmer.maybe_trim()
-                if not self.ready and self.on_idle is not None:
-                    self.on_idle()
+                if self.on_pass is not None:
+                    self.on_pass()
             except Exception:  # noqa: BLE001 - the loop must survive anything
                 logger.exception("decode loop of %s: unexpected error", self.name)
                 self._fail_all("internal error in the decode loop of model " + self.name)

@@ -210,7 +210,7 @@ class TritonPythonModel:
         # the Triton I/O thread: the only thread that sends responses and publishes metrics
         self._io_q: "queue.Queue" = queue.Queue()  # TokensReply, ErrorReply, CloseIO (triton.messages)
         self.subserver = Subserver(self.engine, self.name, self._sched, event_sink=self._on_event,
-                                   on_idle=self._refresh_metrics_idle, configure_algorithm=configure_algorithm)
+                                   on_pass=self._snapshot_metrics, configure_algorithm=configure_algorithm)
 
     def init_channel(self) -> None:
         """The inter-model channel's server at ``peer_endpoint`` (default a fresh ``ipc://`` path),
@@ -241,13 +241,19 @@ class TritonPythonModel:
         """The model's metric families (:class:`~tokenrouter.triton.metrics.ModelMetrics`) and the
         snapshot the loop thread fills."""
         self._metrics_snapshot = None
+        self._next_snapshot = 0.0  # monotonic s
         self._metrics_dirty = threading.Event()
         self._metrics = ModelMetrics(pb_utils, self.name)
 
-    def _refresh_metrics_idle(self) -> None:
-        # on the loop thread whenever nothing is ready: snapshot the counters (cheap);
-        # the metrics thread publishes the newest snapshot (an IPC per metric)
+    def _snapshot_metrics(self) -> None:
+        # on the loop thread after each pass: snapshot the counters (cheap), at most every
+        # METRICS_INTERVAL_S while requests are ready and always when none is (the last state
+        # before the loop waits); the I/O thread publishes the newest snapshot (an IPC per metric)
         s = self.subserver
+        now = time.monotonic()
+        if s.ready and now < self._next_snapshot:
+            return
+        self._next_snapshot = now + METRICS_INTERVAL_S
         self._metrics_snapshot = {
             "kv_tokens_in_use": self.engine.kv_tokens_in_use(), "kv_rows_in_use": self.engine.rows_in_use(),
             "active": len(s.requests), "extend_tokens": s.counters["extend_tokens"],
