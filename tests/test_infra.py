@@ -242,3 +242,25 @@ def test_a_start_whose_models_never_finish_loading_counts_as_stalled(tmp_path):
     with log.open("a") as f:
         f.write("I1206 model_lifecycle.cc:839] \"successfully loaded 'llm'\"\n")
     assert server._stalled_models(seen, ts.LOAD_STALL_S + 2) == []
+
+
+def test_set_algorithm_alone_gives_that_algorithms_defaults(repo_root, tmp_path, capsys):
+    """``--set token_router.algorithm=random`` without ``algorithm_params``: the shipped parameters
+    (R-Stitch's tau) belong to the shipped algorithm, so the router gets random's defaults and the user
+    a note; naming the shipped algorithm again keeps its parameters."""
+    from tokenrouter.tools.repository import main, read_config
+
+    def written(*sets):
+        out = tmp_path / f"v{len(list(tmp_path.iterdir()))}"
+        argv = ["--src", str(repo_root / "model_repository"), "--out", str(out)]
+        assert main(argv + [x for s in sets for x in ("--set", s)]) == 0, capsys.readouterr().err
+        params = read_config(str(out / "token_router" / "config.pbtxt")).parameters
+        return params["algorithm"].string_value, params["algorithm_params"].string_value, capsys.readouterr().err
+
+    shipped = written()
+    assert shipped[0] == "rstitch" and "tau" in shipped[1]
+    algo, params, err = written("token_router.algorithm=random")
+    assert (algo, params) == ("random", "{}") and "algorithm 'random' with its default parameters" in err
+    assert written("token_router.algorithm=rstitch")[:2] == shipped[:2]
+    algo, params, _ = written("token_router.algorithm=random", 'token_router.algorithm_params={"p": 0.3}')
+    assert (algo, json.loads(params)) == ("random", {"p": 0.3})

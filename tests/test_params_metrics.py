@@ -94,10 +94,15 @@ def test_request_parameters_read_when_sampling_parameters_absent(triton_server):
         "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop": json.dumps([stop, "\u0000never"])}})
     assert cut["_status"] == 200 and cut["finish_reason"] == "stop", cut
     assert stop not in cut["text_output"] and len(cut["text_output"]) < len(text), (cut, text)
-    # sampling_parameters wins over the request's parameters
-    both = _post(triton_server, {"text_input": PROMPT, "parameters": {"max_tokens": 3},
-                                 "sampling_parameters": json.dumps({"max_tokens": 5, "ignore_eos": True})})
-    assert both["num_output_tokens"] == 5, both
+    # sampling keys in both places (the "parameters" object or top-level keys) are refused, never ignored
+    for extra in ({"parameters": {"max_tokens": 3}}, {"max_tokens": 3}, {"foo": 1}):
+        both = _post(triton_server, {"text_input": PROMPT, **extra,
+                                     "sampling_parameters": json.dumps({"max_tokens": 5, "ignore_eos": True})})
+        assert both["_status"] == 400 and "send the sampling keys in one place" in both["error"] \
+            and sorted(extra.get("parameters", extra))[0] in both["error"], both
+    # a top-level key without sampling_parameters is a request parameter, and the error says so
+    bad = _post(triton_server, {"text_input": PROMPT, "max_tokens": 3, "foo": 1})
+    assert bad["_status"] == 400 and "['foo']" in bad["error"] and "top-level keys" in bad["error"], bad
     # gRPC request parameters
     q: "queue.Queue" = queue.Queue()
     c = grpcclient.InferenceServerClient(triton_server.grpc_url)

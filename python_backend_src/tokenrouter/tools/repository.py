@@ -336,6 +336,32 @@ def parse_settings(items: Iterable[str]) -> Dict[str, Dict[str, str]]:
     return out
 
 
+def reset_params_of_new_algorithms(src: str, pair: str, settings: Dict[str, Dict[str, str]]) -> List[str]:
+    """Give a router whose ``--set`` picks another ``algorithm`` without ``algorithm_params`` that
+    algorithm's defaults (``algorithm_params`` ``{}``): the shipped parameters belong to the shipped
+    algorithm (``tau`` is not a parameter of ``random``). Changes ``settings`` in place.
+
+    Args:
+        src: the source repository; pair: a key of :data:`PAIRS` (its overrides count as shipped).
+        settings: ``{model: {key: value}}`` of ``--set`` (:func:`parse_settings`).
+
+    Returns:
+        One note per router changed, for the user.
+    """
+    notes = []
+    for m, kvs in settings.items():
+        path = os.path.join(src, m, "config.pbtxt")
+        if "algorithm" not in kvs or "algorithm_params" in kvs or not os.path.isfile(path):
+            continue
+        shipped = {k: v.string_value for k, v in read_config(path).parameters.items()}
+        shipped.update({k: str(v) for k, v in PAIRS.get(pair, {}).get(m, {}).items()})
+        if shipped.get("algorithm") != kvs["algorithm"].strip():
+            kvs["algorithm_params"] = "{}"
+            notes.append(f"{m}: algorithm {kvs['algorithm'].strip()!r} with its default parameters (set "
+                         f"{m}.algorithm_params to choose them)")
+    return notes
+
+
 def check_models(repo: str, settings: Mapping[str, Mapping[str, str]]) -> None:
     """Check the models that ``settings`` (``{model: {key: value}}``, ``--set``) changed in the written
     repository ``repo``: each key must be a config parameter its model declares
@@ -399,6 +425,8 @@ def main(argv: Optional[Iterable[str]] = None) -> int:
             d for d in os.listdir(a.src) if os.path.isfile(os.path.join(a.src, d, "config.pbtxt")))
         params = serving_params(a.src, served, a.remote, a.peer_port, a.keys, a.curve == "on")
         settings = parse_settings(a.set)
+        for note in reset_params_of_new_algorithms(a.src, a.pair, settings):
+            print(f"{ap.prog}: {note}", file=sys.stderr)
         for m, p in settings.items():
             params.setdefault(m, {}).update(p)
         make_variant(a.src, a.out, a.pair, model_params=params, routers=routers)

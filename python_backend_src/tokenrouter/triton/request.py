@@ -308,17 +308,23 @@ class RequestParser:
         sp_raw = _bytes_input(request, "sampling_parameters", lim.sampling.max_sampling_parameters_bytes,
                               "max_sampling_parameters_bytes")
         source = "sampling_parameters" if sp_raw is not None else "parameters"  # named in errors
+        params = _request_parameters(request, lim.sampling)
+        if sp_raw is not None and params:
+            raise ClientError(f"request parameters {sorted(params)} beside the sampling_parameters input (an HTTP "
+                              f"generate body's top-level keys and its \"parameters\" object are request "
+                              f"parameters): send the sampling keys in one place")
         try:
             if sp_raw is not None:
                 sp = parse_sampling_parameters(sp_raw.decode("utf-8"), self.default_max_tokens,
                                                limits=lim.sampling)
             else:
-                sp = parse_sampling_parameters(_request_parameters(request, lim.sampling), self.default_max_tokens,
-                                               source=source, limits=lim.sampling)
+                sp = parse_sampling_parameters(params, self.default_max_tokens, source=source, limits=lim.sampling)
         except UnicodeDecodeError:
             raise ClientError("sampling_parameters is not valid UTF-8") from None
         except ValueError as e:
-            raise ClientError(str(e)) from None
+            hint = ("" if sp_raw is not None else " (the request's parameters: an HTTP generate body's top-level "
+                    "keys and its \"parameters\" object, or gRPC request parameters)")
+            raise ClientError(str(e) + hint) from None
         if sp.guided is not None and self.grammar is not None:  # a 400 naming the field
             try:
                 self.grammar.compile(sp.guided, timeout_s=lim.sampling.grammar_compile_timeout_ms / 1000)
