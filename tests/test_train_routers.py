@@ -84,3 +84,17 @@ def test_tiny_training_run_writes_routers_that_auto_finds(tmp_path, monkeypatch)
 def test_kinds_are_checked():
     with pytest.raises(SystemExit):
         tr.main(["--kinds", "r2r,judge"])
+
+
+def test_prompt_files_with_a_system_turn(repo_root, tmp_path):
+    """A prompt line may carry the system turn the deployment sends (the math tasks' instruction):
+    the labelling renders it through the chat template before the user's prompt."""
+    math = tr.load_prompts(str(repo_root / "data" / "router_prompts_math.jsonl"))
+    assert len(math) >= 64 and all(m[0]["role"] == "system" and "\\boxed{}" in m[0]["content"] for m in math)
+    assert all(m[-1]["role"] == "user" for m in math)
+    code = tr.load_prompts(str(repo_root / "data" / "router_prompts_code.jsonl"))
+    assert all(len(m) == 1 and m[0]["role"] == "user" for m in code)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "x", "sytem": "typo"}) + "\n")
+    with pytest.raises(ValueError, match="bad.jsonl:1: expected"):
+        tr.load_prompts(str(bad))

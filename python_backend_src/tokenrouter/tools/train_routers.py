@@ -6,8 +6,8 @@
 
 Data (R2R-style labelling, one forward pass per model, teacher-forced):
 
-1. For every prompt of ``--prompts`` (JSON lines ``{"prompt": …}``, chat
-   template applied) the **LLM** writes a greedy continuation of up to
+1. For every prompt of ``--prompts`` (JSON lines ``{"prompt": …}``, optionally with a
+   ``"system"`` turn; chat template applied) the **LLM** writes a greedy continuation of up to
    ``--max-new-tokens`` tokens (the trajectory).
 2. The trajectory is run teacher-forced through the served SLM (features:
    last hidden state after the final norm ``[H]``, next-token logits ``[V]``,
@@ -64,7 +64,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Tuple, Union
 
 from ..engine import cpu
 
@@ -99,16 +99,25 @@ def fake_quantize_(model: nn.Module, bits: int, group: int) -> int:
     return n
 
 
-def load_prompts(path: str) -> List[str]:
-    """Prompts from a JSON-lines file (``{"prompt": str}`` per line)."""
+def load_prompts(path: str) -> List[List[Dict[str, str]]]:
+    """Prompts from a JSON-lines file, as chat messages: ``{"prompt": str}`` per line, with an
+    optional ``"system": str`` turn before it (the instruction the deployment sends, e.g. a math
+    task's "put your final answer within \\boxed{}": the router learns from the SLM's states
+    under it).
+
+    Raises:
+        ValueError: a line is not such an object, or the file has fewer than 5 prompts.
+    """
     out = []
     with open(path, encoding="utf-8") as f:
         for i, line in enumerate(f, 1):
             if line.strip():
                 d = json.loads(line)
-                if not isinstance(d, dict) or not isinstance(d.get("prompt"), str):
-                    raise ValueError(f"{path}:{i}: expected {{\"prompt\": str}}")
-                out.append(d["prompt"])
+                if (not isinstance(d, dict) or not isinstance(d.get("prompt"), str)
+                        or not isinstance(d.get("system", ""), str) or set(d) - {"prompt", "system"}):
+                    raise ValueError(f"{path}:{i}: expected {{\"prompt\": str}} or {{\"system\": str, \"prompt\": str}}")
+                turns = [{"role": "system", "content": d["system"]}] if d.get("system") else []
+                out.append(turns + [{"role": "user", "content": d["prompt"]}])
     if len(out) < 5:
         raise ValueError(f"{path}: need at least 5 prompts, got {len(out)}")
     return out
@@ -179,7 +188,7 @@ def rollout(llm, cache, mask: torch.Tensor, pos: torch.Tensor, first: torch.Tens
 
 
 @torch.no_grad()
-def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: int = 16, *,
+def collect(slm, llm, label_slm, tok, prompts: List[Union[str, List[Dict[str, str]]]], max_new: int, batch: int = 16, *,
             rollout_tokens: int = 0, rejoin_tokens: int = 4, rollout_batch: int = 32) -> Dict[str, torch.Tensor]:
     """Run the labelling passes (module docstring), ``batch`` prompts at a time (left padding).
 
@@ -197,7 +206,8 @@ def collect(slm, llm, label_slm, tok, prompts: List[str], max_new: int, batch: i
     H, E, T, D, P, C, F = [], [], [], [], [], [], []
     encoded = []
     for p in prompts:
-        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)
+        messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):
             ids = ids["input_ids"]
         encoded.append([int(i) for i in ids])
@@ -380,7 +390,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                     help="the models' dtype; match the served one (the qwen-coder pair: bfloat16 where the "
                     "CPU has native bf16)")
-    ap.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts of the files (0: all)")
+    ap.add_argument("--max-prompts", type=int, default=0, help="use the first N prompts of each file (0: all)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--rollout-tokens", type=int, default=16,
                     help="W: LLM tokens written after the SLM's token at each divergence to tell critical from "
@@ -434,9 +444,7 @@ def main(argv=None) -> int:
     else:
         label_slm = slm
         label_desc = "the served SLM"
-    prompts = [p for path in a.prompts for p in load_prompts(path)]
-    if a.max_prompts:
-        prompts = prompts[: a.max_prompts]
+    prompts = [p for path in a.prompts for p in load_prompts(path)[: a.max_prompts or None]]
     if a.rollout_tokens < 0 or a.rejoin_tokens < 1:
         ap.error("--rollout-tokens must be >= 0 and --rejoin-tokens >= 1")
     if a.data and os.path.isfile(a.data):
