@@ -284,6 +284,12 @@ def test_errors_are_openai_format(client, frontend):
     with pytest.raises(urllib.error.HTTPError) as he:
         urllib.request.urlopen(req, timeout=30)
     assert he.value.code == 400 and "error" in json.loads(he.value.read())
+    req = urllib.request.Request(frontend + "/v1/completions", data=b'{"model": "\xff\xfe"}', method="POST",
+                                 headers={"Content-Type": "application/json"})  # not UTF-8
+    with pytest.raises(urllib.error.HTTPError) as he:
+        urllib.request.urlopen(req, timeout=30)
+    err = json.loads(he.value.read())["error"]
+    assert he.value.code == 400 and err["code"] == "invalid_json" and "UTF-8" in err["message"], err
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"temperature": "hot"})
     assert _error(e.value)["param"] == "temperature"

@@ -3,7 +3,6 @@ answered in OpenAI's format (the body limit's 413 included, by :class:`TooLargeA
 
 from __future__ import annotations
 
-import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Optional
@@ -71,6 +70,8 @@ async def _http_error(request: Request, e: StarletteHTTPException):
     if e.status_code == 413:  # FastAPI's body limit: before the body was read whole
         return _too_large(request.app.state.tokenrouter.max_body_bytes,
                           request.headers.get("content-length")).response()
+    if e.status_code == 400 and e.detail == "There was an error parsing the body":  # FastAPI's, e.g. not UTF-8
+        return OpenAIError(400, "request body is not valid JSON (UTF-8 encoded)", code="invalid_json").response()
     return OpenAIError(e.status_code, str(e.detail), type="invalid_request_error" if e.status_code < 500
                        else "server_error").response()
 
@@ -118,7 +119,7 @@ class TooLargeAsOpenAIError:
             if message["type"] == "http.response.start" and message.get("status") == 413:
                 replaced = True
                 size = dict(scope.get("headers") or []).get(b"content-length", b"").decode() or None
-                body = json.dumps(_too_large(self.max_body_bytes, size).body()).encode()
+                body = _too_large(self.max_body_bytes, size).response().body  # as every other error
                 await send({"type": "http.response.start", "status": 413,
                             "headers": [(b"content-type", b"application/json"),
                                         (b"content-length", str(len(body)).encode())]})
