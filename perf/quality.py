@@ -70,8 +70,8 @@ output tokens, LLM tokens, handoffs, finish reason, TTFT and e2e latency, input 
 answer is saved as it arrives (``unscored``) and scored once the point's generation ends, or by
 the next command when this one was stopped.
 A command runs only the problems a point lacks (``--resume``, the default; ``--force`` redoes
-them); a cache written with other settings (max_tokens, prompt format, limits, pair) is an
-error naming the difference.  The table and the plot cover every cached point of the pair
+them); a cache written with other settings (max_tokens, prompt format, limits, pair, the
+models' dtype) is an error naming the difference.  The table and the plot cover every cached point of the pair
 (with those settings) on the selected problems, so a sweep is a series of commands.
 
 **Reference** (``--reference transformers``): slm-only and llm-only with plain transformers
@@ -448,13 +448,14 @@ def find_routers(url: str, points: Sequence[Point], models: str) -> None:
 
 
 # --------------------------------------------------------------------------- cache
-def _settings(pair: str, args, task: Task = HUMANEVAL) -> Dict[str, Any]:
+def _settings(pair: str, args, task: Task = HUMANEVAL, dtype: str = "bfloat16") -> Dict[str, Any]:
     """What a cached point must share with this command (HumanEval's keys are those of the caches
-    written before the other tasks existed)."""
+    written before the other tasks existed), and the models' served ``dtype``: greedy answers
+    change with it, so a point measured in float32 is never paired with one in bfloat16."""
     if task.name == "humaneval":
         return {"pair": pair, "prompt_format": task.prompt_format, "max_tokens": args.max_tokens,
-                "exec_timeout_s": args.exec_timeout, "exec_memory_mb": args.exec_memory_mb}
-    return {"pair": pair, **task.settings(), "max_tokens": args.max_tokens}
+                "exec_timeout_s": args.exec_timeout, "exec_memory_mb": args.exec_memory_mb, "dtype": dtype}
+    return {"pair": pair, **task.settings(), "max_tokens": args.max_tokens, "dtype": dtype}
 
 
 def task_dir(out_dir: str, pair: str, task: Task = HUMANEVAL) -> str:
@@ -1106,11 +1107,32 @@ def plot(rows: Sequence[Dict[str, Any]], path: str, title: str = "", x: str = "l
 
 
 # --------------------------------------------------------------------------- main
-def _variant(pair: str, work: str, routers: Mapping[str, Mapping[str, str]]) -> str:
+def _variant(pair: str, work: str, routers: Mapping[str, Mapping[str, str]], dtype: str = "auto") -> str:
+    """The pair's model repository under ``work`` with ``routers``, its models in ``dtype``
+    (``auto``: the pair's setting)."""
     from tokenrouter.tools.repository import make_variant
 
+    model_params = {} if dtype == "auto" else {m: {"dtype": dtype} for m in ("slm", "llm")}
     return make_variant(os.path.join(ROOT, "model_repository"), os.path.join(work, "model_repository"), pair,
-                        routers=routers)
+                        model_params=model_params, routers=routers)
+
+
+def pair_dtype(pair: str, dtype: str = "auto") -> str:
+    """The dtype the pair's LLM is served in on this host with ``--dtype dtype``: ``dtype`` itself,
+    or for ``auto`` the pair's repository setting with ``auto`` resolved as the engine resolves it
+    (bfloat16 on a CPU with native bf16, else float32; :func:`served_dtype`).
+
+    Raises:
+        ValueError: ``dtype`` is not one the engine knows.
+    """
+    from tokenrouter.engine.config import DTYPES
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, not {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    with tempfile.TemporaryDirectory(prefix="quality-dtype-") as work:
+        return served_dtype(_variant(pair, work, {}), "llm")
 
 
 def _router_models(repo: str) -> str:
@@ -1194,6 +1216,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="output tokens per problem at most (default: the task's: humaneval 384, "
                          "gsm-symbolic 768, math500 1024)")
+    ap.add_argument("--dtype", default="auto",
+                    help="the models' dtype: auto (default: bfloat16 where the CPU has native bf16, else "
+                         "float32), bfloat16 or float32. Part of a cache's settings: --report of caches "
+                         "measured on another host names theirs")
     ap.add_argument("--request-timeout", type=float, default=600.0,
                     help="seconds without a response before a request is given up (default 600)")
     ap.add_argument("--exec-timeout", type=float, default=10.0, help="wall seconds per test program (default 10)")
@@ -1240,8 +1266,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         ap.error(str(e))
     if a.force and a.report:
         ap.error("--force redoes points; --report only reads the cache")
+    try:
+        dtype = pair_dtype(a.pair, a.dtype)
+    except ValueError as e:
+        ap.error(str(e))
     exit_on_termination()
-    settings = _settings(a.pair, a, task)
+    settings = _settings(a.pair, a, task, dtype)
     task_ids = [p["task_id"] for p in problems]
     caches: Dict[str, Dict[str, Any]] = {}
     todo: List[Tuple[Point, List[Dict[str, Any]]]] = []
@@ -1261,7 +1291,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                   if a.reference else [])
     with tempfile.TemporaryDirectory(prefix="quality-") as work:
         routers = plan_routers([p for p, _ in todo])
-        repo = _variant(a.pair, work, routers)
+        repo = _variant(a.pair, work, routers, a.dtype)
         tok = router_tokenizer(repo)
         prompts = {pr["task_id"]: task.build_prompt(tok, pr) for pr in problems}
         if todo:

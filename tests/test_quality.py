@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -292,6 +293,30 @@ def test_cache_with_other_settings_is_refused(tmp_path):
     with pytest.raises(ValueError, match="max_tokens: cached 512, now 64"):
         quality.load_cache(path, pt, {**settings, "max_tokens": 64}, force=False)
     assert quality.load_cache(path, pt, {**settings, "max_tokens": 64}, force=True)["problems"] == {}
+
+
+def test_the_served_dtype_is_a_cache_setting(tmp_path):
+    """Greedy answers change with the models' dtype: the cache records it, a point measured in
+    another dtype is refused, and --dtype names it (auto: the pair's setting, resolved as the
+    engine resolves it on this CPU)."""
+    from tokenrouter.engine.device import resolve_dtype
+
+    assert quality.pair_dtype("demo") == "float32"  # the demo pair's repository says float32
+    assert quality.pair_dtype("qwen-coder") == resolve_dtype("auto", "cpu")  # the pair says auto
+    assert quality.pair_dtype("qwen-coder", "bfloat16") == "bfloat16"
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        quality.pair_dtype("demo", "int4")
+    args = type("A", (), {"max_tokens": 768})()
+    bf16 = quality._settings("qwen-coder", args, quality.get_task("gsm-symbolic"), "bfloat16")
+    assert bf16["dtype"] == "bfloat16"
+    pt = quality.Point("llm-only", "none", {"model": 1})
+    path = str(tmp_path / "llm-only.json")
+    quality.save_cache(path, quality.load_cache(path, pt, bf16, force=False))
+    with pytest.raises(ValueError, match="dtype: cached 'bfloat16', now 'float32'"):
+        quality.load_cache(path, pt, {**bf16, "dtype": "float32"}, force=False)
+    with tempfile.TemporaryDirectory() as work:
+        repo = quality._variant("demo", work, {}, "bfloat16")
+        assert quality.served_dtype(repo, "llm") == quality.served_dtype(repo, "slm") == "bfloat16"
 
 
 def test_planned_routers_are_the_routers_url_finds(repo_root, tmp_path):
