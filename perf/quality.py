@@ -448,7 +448,7 @@ def find_routers(url: str, points: Sequence[Point], models: str) -> None:
 
 
 # --------------------------------------------------------------------------- cache
-def _settings(pair: str, args, task: Task = HUMANEVAL, dtype: str = "bfloat16") -> Dict[str, Any]:
+def _settings(pair: str, args, task: Task = HUMANEVAL, *, dtype: str) -> Dict[str, Any]:
     """What a cached point must share with this command (HumanEval's keys are those of the caches
     written before the other tasks existed), and the models' served ``dtype``: greedy answers
     change with it, so a point measured in float32 is never paired with one in bfloat16."""
@@ -485,7 +485,8 @@ def load_cache(path: str, point: Point, settings: Mapping[str, Any], force: bool
     if diff:
         raise ValueError(f"{path} was written with other settings ("
                          + ", ".join(f"{k}: cached {a!r}, now {b!r}" for k, (a, b) in diff.items())
-                         + "); use --force to redo the point or another --out")
+                         + "); use --force to redo the point or another --out"
+                         + (", or --dtype to read the caches of another dtype" if "dtype" in diff else ""))
     return data
 
 
@@ -1271,7 +1272,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         ap.error(str(e))
     exit_on_termination()
-    settings = _settings(a.pair, a, task, dtype)
+    settings = _settings(a.pair, a, task, dtype=dtype)
     task_ids = [p["task_id"] for p in problems]
     caches: Dict[str, Dict[str, Any]] = {}
     todo: List[Tuple[Point, List[Dict[str, Any]]]] = []

@@ -307,12 +307,12 @@ def test_the_served_dtype_is_a_cache_setting(tmp_path):
     with pytest.raises(ValueError, match="--dtype must be one of"):
         quality.pair_dtype("demo", "int4")
     args = type("A", (), {"max_tokens": 768})()
-    bf16 = quality._settings("qwen-coder", args, quality.get_task("gsm-symbolic"), "bfloat16")
+    bf16 = quality._settings("qwen-coder", args, quality.get_task("gsm-symbolic"), dtype="bfloat16")
     assert bf16["dtype"] == "bfloat16"
     pt = quality.Point("llm-only", "none", {"model": 1})
     path = str(tmp_path / "llm-only.json")
     quality.save_cache(path, quality.load_cache(path, pt, bf16, force=False))
-    with pytest.raises(ValueError, match="dtype: cached 'bfloat16', now 'float32'"):
+    with pytest.raises(ValueError, match="dtype: cached 'bfloat16', now 'float32'.*--dtype to read"):
         quality.load_cache(path, pt, {**bf16, "dtype": "float32"}, force=False)
     with tempfile.TemporaryDirectory() as work:
         repo = quality._variant("demo", work, {}, "bfloat16")

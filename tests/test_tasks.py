@@ -157,9 +157,9 @@ def test_runner_records_and_summary_of_a_math_task(tmp_path):
     row = quality.point_summary(data, ids)
     assert row["passed"] == 1 and row["cut_rate"] == pytest.approx(1 / 3)
     assert row["answers_per_s"] == pytest.approx(0.3) and row["llm_share"] == pytest.approx(142 / 1000)
-    settings = quality._settings("qwen-coder", args, GSM)
+    settings = quality._settings("qwen-coder", args, GSM, dtype="float32")
     assert settings == {"pair": "qwen-coder", "task": "gsm-symbolic", "prompt_format": "qwen-math-cot-v1",
-                        "seed": tasks.GSM_SEED, "size": tasks.GSM_SIZE, "max_tokens": 768}
+                        "seed": tasks.GSM_SEED, "size": tasks.GSM_SIZE, "max_tokens": 768, "dtype": "float32"}
     pt = quality.Point("slm-only", "none", {"model": 0})
     path = quality._cache_path(str(tmp_path), "qwen-coder", pt, GSM)
     assert path == str(tmp_path / "qwen-coder" / "gsm-symbolic" / "slm-only.json")
