@@ -64,7 +64,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Tuple, Union
+from typing import Dict, List, Tuple
 
 from ..engine import cpu
 
@@ -188,7 +188,7 @@ def rollout(llm, cache, mask: torch.Tensor, pos: torch.Tensor, first: torch.Tens
 
 
 @torch.no_grad()
-def collect(slm, llm, label_slm, tok, prompts: List[Union[str, List[Dict[str, str]]]], max_new: int, batch: int = 16, *,
+def collect(slm, llm, label_slm, tok, prompts: List[List[Dict[str, str]]], max_new: int, batch: int = 16, *,
             rollout_tokens: int = 0, rejoin_tokens: int = 4, rollout_batch: int = 32) -> Dict[str, torch.Tensor]:
     """Run the labelling passes (module docstring), ``batch`` prompts at a time (left padding).
 
@@ -205,8 +205,7 @@ def collect(slm, llm, label_slm, tok, prompts: List[Union[str, List[Dict[str, st
     stops = {tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>")}
     H, E, T, D, P, C, F = [], [], [], [], [], [], []
     encoded = []
-    for p in prompts:
-        messages = [{"role": "user", "content": p}] if isinstance(p, str) else p
+    for messages in prompts:  # chat messages (load_prompts)
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if not isinstance(ids, list):
             ids = ids["input_ids"]

@@ -146,6 +146,10 @@ OUTPUT_SWITCHES = {"return_finish_reason": ("finish_reason", True),
                    "return_num_output_tokens": ("num_output_tokens", True),
                    "return_logprobs": ("logprobs", False)}
 
+#: where a request's parameters come from, for the errors that name them
+_REQUEST_PARAMETERS_ARE = ("request parameters: an HTTP generate body's top-level keys and its \"parameters\" "
+                           "object, or gRPC request parameters")
+
 #: request parameters Triton itself defines (KServe / Triton protocol), never sampling keys
 _TRITON_RESERVED_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end", "priority",
                                          "timeout", "binary_data_output", "binary_data_size", "headers"})
@@ -310,9 +314,8 @@ class RequestParser:
         source = "sampling_parameters" if sp_raw is not None else "parameters"  # named in errors
         params = _request_parameters(request, lim.sampling)
         if sp_raw is not None and params:
-            raise ClientError(f"request parameters {sorted(params)} beside the sampling_parameters input (an HTTP "
-                              f"generate body's top-level keys and its \"parameters\" object are request "
-                              f"parameters): send the sampling keys in one place")
+            raise ClientError(f"request parameters {sorted(params)} beside the sampling_parameters input "
+                              f"({_REQUEST_PARAMETERS_ARE}): send the sampling keys in one place")
         try:
             if sp_raw is not None:
                 sp = parse_sampling_parameters(sp_raw.decode("utf-8"), self.default_max_tokens,
@@ -322,9 +325,7 @@ class RequestParser:
         except UnicodeDecodeError:
             raise ClientError("sampling_parameters is not valid UTF-8") from None
         except ValueError as e:
-            hint = ("" if sp_raw is not None else " (the request's parameters: an HTTP generate body's top-level "
-                    "keys and its \"parameters\" object, or gRPC request parameters)")
-            raise ClientError(str(e) + hint) from None
+            raise ClientError(str(e) + ("" if sp_raw is not None else f" ({_REQUEST_PARAMETERS_ARE})")) from None
         if sp.guided is not None and self.grammar is not None:  # a 400 naming the field
             try:
                 self.grammar.compile(sp.guided, timeout_s=lim.sampling.grammar_compile_timeout_ms / 1000)
