@@ -455,6 +455,30 @@ def test_serve_stops_waiting_when_a_model_fails_to_load(tmp_path):
     leaked = set(glob.glob("/dev/shm/triton_*")) - regions_before - mapped
     assert not leaked, leaked
 
+
+
+def test_stop_ends_a_server_that_maps_no_shared_memory():
+    """``deploy/serve --stop`` signals a server whose stubs have mapped no shared memory yet (one that
+    fails to load before its first stub starts): finding no region is not an error that ends the
+    script (it used to, under ``set -o pipefail``, before any signal was sent). The server here is a
+    process whose command line says ``tritonserver``, so no model is loaded."""
+    name = f"fake-{os.getpid()}"
+    run_dir = os.path.join(os.environ["TOKENROUTER_CACHE"], f"run-{name}")  # deploy/serve's run folder
+    os.makedirs(run_dir, exist_ok=True)
+    fake = subprocess.Popen(["tritonserver", "300"], executable="/bin/sleep")
+    try:
+        with open(os.path.join(run_dir, "tritonserver.pid"), "w") as f:
+            f.write(f"{fake.pid}\n")
+        r = subprocess.run([os.path.join(ROOT, "deploy", "serve"), "--stop", "--name", name],
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, (r.stdout, r.stderr)
+        assert f"stopping tritonserver (pid {fake.pid})" in r.stdout and "stopped" in r.stdout, r.stdout
+        assert fake.wait(timeout=10) == -2  # SIGINT, the graceful stop
+        assert not os.path.exists(os.path.join(run_dir, "tritonserver.pid"))
+    finally:
+        fake.kill()
+        fake.wait()
+        shutil.rmtree(run_dir, ignore_errors=True)
 def test_tools_default_to_the_grpc_port_of_deploy_serve(monkeypatch):
     """Every tool's --url default follows $TOKENROUTER_GRPC_PORT, as deploy/serve's port does."""
     from tokenrouter.tools import default_grpc_url
