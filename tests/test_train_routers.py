@@ -60,6 +60,9 @@ def test_tiny_training_run_writes_routers_that_auto_finds(tmp_path, monkeypatch)
     rates = r2r.meta["rates"]
     assert 0.0 <= rates["critical"] <= rates["diff"] <= 1.0
     assert r2r.meta["target"] == "critical" and r2r.meta["slm"] == "smollm2-135m-instruct"
+    # the recorded command names no folder of this machine (a shipped file carries it)
+    assert str(tmp_path) not in r2r.meta["command"]
+    assert "--prompts prompts.jsonl" in r2r.meta["command"] and "--out routers" in r2r.meta["command"]
     assert set(r2r.meta["metrics"]["threshold_at_share"]) == {str(s) for s in tr.SHARES}
     assert load_router(str(files["citer"]), "citer").meta["target"] == "1 - critical"
     assert load_router(str(files["colm"]), "colm").meta["target"] == "diff"
@@ -79,6 +82,14 @@ def test_tiny_training_run_writes_routers_that_auto_finds(tmp_path, monkeypatch)
     with pytest.raises(ValueError, match="no shipped colm router was trained for model 0 'other-model'"):
         find_router("colm", "other-model")
     assert find_router("dv", os.path.join("weights", "smollm2-135m-instruct"), key="llm") == str(files["dv"])
+
+
+def test_recorded_command_leaves_out_local_folders(repo_root):
+    cmd = tr.recorded_command(["--prompts", str(repo_root / "data" / "router_prompts_code.jsonl"), "/x/y/m.jsonl",
+                               "--data=/tmp/w/labels.pt", "--out", "/home/u/r", "--max-prompts", "48",
+                               "--slm", "/srv/weights/qwen2.5-coder-0.5b-instruct", "--name", "n"])
+    assert cmd == ("python -m tokenrouter.tools.train_routers --prompts data/router_prompts_code.jsonl m.jsonl "
+                   "--data=labels.pt --out r --max-prompts 48 --slm qwen2.5-coder-0.5b-instruct --name n")
 
 
 def test_kinds_are_checked():

@@ -64,7 +64,7 @@ import json
 import os
 import sys
 import time
-from typing import Dict, List, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 from ..engine import cpu
 
@@ -185,6 +185,39 @@ def rollout(llm, cache, mask: torch.Tensor, pos: torch.Tensor, first: torch.Tens
         x = lg[:, -1].float().argmax(-1, keepdim=True)
         out.append(x)
     return torch.cat(out, 1)
+
+
+def recorded_command(argv: Sequence[str]) -> str:
+    """The training command as a router file's ``meta.command`` records it: ``argv`` with the
+    folders of this machine left out (``--data``, ``--out`` and absolute ``--prompts`` keep their
+    file names only; files under the repository are made relative to it), so that a shipped file
+    names no local path.
+
+    Args:
+        argv: the tool's arguments (``sys.argv[1:]``), ``--flag value`` or ``--flag=value``.
+    Returns:
+        ``"python -m tokenrouter.tools.train_routers " + the arguments``, space-joined.
+    """
+    def local(path: str) -> str:
+        if not os.path.isabs(path):
+            return path
+        return os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT + os.sep) else os.path.basename(path)
+
+    out, flag = [], None
+    for a in argv:
+        if a.startswith("--") and "=" in a:
+            k, v = a.split("=", 1)
+            out.append(f"{k}={local(v)}" if k in _PATH_FLAGS else a)
+            flag = None
+        elif a.startswith("--"):
+            out.append(a)
+            flag = a
+        else:
+            out.append(local(a) if flag in _PATH_FLAGS else a)
+    return "python -m tokenrouter.tools.train_routers " + " ".join(out)
+
+
+_PATH_FLAGS = ("--data", "--out", "--prompts", "--slm", "--llm")
 
 
 @torch.no_grad()
@@ -473,8 +506,7 @@ def main(argv=None) -> int:
                    "prompts": [os.path.relpath(p, REPO_ROOT) if p.startswith(REPO_ROOT) else p for p in a.prompts],
                    "dtype": a.dtype,
                    "max_new_tokens": a.max_new_tokens, "positions": n, "seed": a.seed,
-                   "command": "python -m tokenrouter.tools.train_routers " + " ".join(argv if argv is not None
-                                                                                else sys.argv[1:])}
+                   "command": recorded_command(argv if argv is not None else sys.argv[1:])}
     summary = {}
 
     if "r2r" in kinds:  # R2R: [h, e, top-100] -> critical
