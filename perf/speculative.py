@@ -155,7 +155,9 @@ def main(argv=None) -> int:
     ap.add_argument("--llm-threads", type=int, default=0, metavar="T",
                     help="also measure the LLM alone on T torch threads (token_router_llm_t<T>, served by a copy "
                          "llm_t<T> of the LLM; the pair's models run on one thread each, so that they step in "
-                         "parallel: this is the LLM as a user would serve it alone on T cores)")
+                         "parallel: this is the LLM as a user would serve it alone on T cores). The copy is a third "
+                         "model in memory: the qwen-coder pair in float32 (a CPU without native bf16) then needs "
+                         "about 25 GB, and on 24 GiB a model is killed for memory")
     ap.add_argument("--router", action="append", default=[], metavar="NAME=ALGO[:JSON]",
                     help="another setting in the same run: a router model NAME (token_router_NAME) with algorithm "
                          "ALGO and its parameters, e.g. rstitch=rstitch:'{\"tau\": 0.05}' or "
