@@ -94,6 +94,15 @@ def _tail(path: Path, lines: int = 60) -> str:
         return f"(no log: {e})"
 
 
+def _kill_session(proc: subprocess.Popen) -> None:
+    """SIGKILL the session ``proc`` leads (the server and its stubs) and reap ``proc``."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 def exit_on_termination() -> None:
     """Make SIGTERM and SIGHUP raise ``SystemExit`` (status 128 + signal) in the main thread.
 
@@ -332,7 +341,10 @@ class TritonServer:
         return _tail(self.log_path, lines) if self.log_path else ""
 
     def stop(self) -> int | None:
-        """SIGINT (graceful), SIGKILL after stop_timeout. Returns the exit code."""
+        """SIGINT (graceful), then SIGKILL to the server's session (its stubs with it) after
+        ``stop_timeout`` s. A second interrupt while it waits (Ctrl-C again, another SIGTERM) kills
+        the session at once and is then raised, so the server never outlives this process.
+        Returns the exit code."""
         proc, self.process = self.process, None
         if proc is None:
             return None
@@ -341,12 +353,10 @@ class TritonServer:
             try:
                 proc.wait(self.stop_timeout)
             except subprocess.TimeoutExpired:
-                # Stubs live in the server's session: kill the whole group.
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+                _kill_session(proc)
+            except BaseException:
+                _kill_session(proc)
+                raise
         return proc.returncode
 
     def __enter__(self) -> "TritonServer":

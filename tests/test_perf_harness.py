@@ -486,3 +486,35 @@ def test_speculative_speedup_interval_is_paired_over_repeats():
     assert hi / mid == pytest.approx(math.exp(T975[2] * sd / math.sqrt(3)))
     assert lo * hi == pytest.approx(mid * mid)
     assert ratio_interval([1.2]) is None  # one repeat: no spread to measure
+
+
+def test_a_second_interrupt_while_stopping_kills_the_server_session():
+    """perf/'s TritonServer.stop(): a second interrupt during the graceful wait (Ctrl-C twice, a
+    second SIGTERM) kills the server's session at once instead of leaving it running with no
+    owner. The "server" here ignores SIGINT, as tritonserver 2.51 does while it loads models."""
+    import os
+    import signal
+
+    from tritonserver import TritonServer  # perf/ (pytest.ini)
+
+    proc = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGINT, "
+                             "signal.SIG_IGN); print('up', flush=True); time.sleep(120)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    assert proc.stdout.readline().strip() == "up"
+    server = object.__new__(TritonServer)  # stop() needs only the process and its timeout
+    server.process, server.stop_timeout = proc, 60.0
+
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            server.stop()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == -signal.SIGKILL and server.process is None
