@@ -109,3 +109,10 @@ def test_prompt_files_with_a_system_turn(repo_root, tmp_path):
     bad.write_text(json.dumps({"prompt": "x", "sytem": "typo"}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl:1: expected"):
         tr.load_prompts(str(bad))
+
+
+def test_a_missing_router_file_names_the_shipped_ones():
+    from tokenrouter.algorithms.learned import resolve_router_path
+
+    with pytest.raises(ValueError, match=r"router file 'r2r_nope.pt' not found .*shipped: \[.*'r2r_qwen2.5-coder-0.5b.pt'"):
+        resolve_router_path("r2r_nope.pt")

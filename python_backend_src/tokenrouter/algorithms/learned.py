@@ -137,13 +137,14 @@ def resolve_router_path(path: str) -> str:
     """Absolute router file: ``path`` if absolute, else under :data:`ROUTERS_DIR`, else relative to cwd.
 
     Raises:
-        ValueError: no such file (the message names both places looked at).
+        ValueError: no such file (the message names both places looked at and the shipped files).
     """
     cands = [path] if os.path.isabs(path) else [os.path.join(ROUTERS_DIR, path), os.path.abspath(path)]
     for c in cands:
         if os.path.isfile(c):
             return os.path.abspath(c)
-    raise ValueError(f"router file {path!r} not found (looked at {cands}); train one with "
+    shipped = sorted(f for f in os.listdir(ROUTERS_DIR) if f.endswith(".pt")) if os.path.isdir(ROUTERS_DIR) else []
+    raise ValueError(f"router file {path!r} not found (looked at {cands}; shipped: {shipped}); train one with "
                      f"`python -m tokenrouter.tools.train_routers` (docs/algorithms/)")
 
 
