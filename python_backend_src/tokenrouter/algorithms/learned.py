@@ -49,12 +49,12 @@ from __future__ import annotations
 import math
 import os
 import threading
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["FORMAT", "ROUTERS_DIR", "MLPHead", "LinearHead", "build_router", "load_router", "save_router",
+__all__ = ["FORMAT", "ROUTERS_DIR", "MLPHead", "LinearHead", "build_router", "load_router", "save_router", "shipped_routers",
            "resolve_router_path", "RouterFile", "r2r_features", "embedding_matrix", "AUTO", "find_router",
            "DV_FEATURES", "dv_features"]
 
@@ -133,6 +133,14 @@ _CACHE: Dict[Tuple[str, float], RouterFile] = {}
 _LOCK = threading.Lock()
 
 
+def shipped_routers(kind: str = "") -> List[str]:
+    """The router files under :data:`ROUTERS_DIR` (``<kind>_<name>.pt``; all kinds when ``kind`` is
+    empty), sorted by name; none when the folder is missing."""
+    if not os.path.isdir(ROUTERS_DIR):
+        return []
+    return sorted(f for f in os.listdir(ROUTERS_DIR) if f.startswith(f"{kind}_" if kind else "") and f.endswith(".pt"))
+
+
 def resolve_router_path(path: str) -> str:
     """Absolute router file: ``path`` if absolute, else under :data:`ROUTERS_DIR`, else relative to cwd.
 
@@ -143,8 +151,7 @@ def resolve_router_path(path: str) -> str:
     for c in cands:
         if os.path.isfile(c):
             return os.path.abspath(c)
-    shipped = sorted(f for f in os.listdir(ROUTERS_DIR) if f.endswith(".pt")) if os.path.isdir(ROUTERS_DIR) else []
-    raise ValueError(f"router file {path!r} not found (looked at {cands}; shipped: {shipped}); train one with "
+    raise ValueError(f"router file {path!r} not found (looked at {cands}; shipped: {shipped_routers()}); train one with "
                      f"`python -m tokenrouter.tools.train_routers` (docs/algorithms/)")
 
 
@@ -167,7 +174,7 @@ def find_router(kind: str, model_path: str, key: str = "slm") -> str:
             how to train one).
     """
     want = os.path.basename(os.path.normpath(model_path))
-    shipped = sorted(f for f in os.listdir(ROUTERS_DIR) if f.startswith(kind + "_") and f.endswith(".pt"))
+    shipped = shipped_routers(kind)
     for f in shipped:
         if load_router(f, kind).meta.get(key) == want:
             return os.path.join(ROUTERS_DIR, f)

@@ -187,6 +187,18 @@ def rollout(llm, cache, mask: torch.Tensor, pos: torch.Tensor, first: torch.Tens
     return torch.cat(out, 1)
 
 
+#: the flags whose values are paths (recorded_command)
+_PATH_FLAGS = ("--data", "--out", "--prompts", "--slm", "--llm")
+
+
+def portable_path(path: str) -> str:
+    """``path`` as a router file's ``meta`` records it: relative paths as given, files under the
+    repository relative to it, other absolute paths by their file name only."""
+    if not os.path.isabs(path):
+        return path
+    return os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT + os.sep) else os.path.basename(path)
+
+
 def recorded_command(argv: Sequence[str]) -> str:
     """The training command as a router file's ``meta.command`` records it: ``argv`` with the
     folders of this machine left out (``--data``, ``--out`` and absolute ``--prompts`` keep their
@@ -198,26 +210,18 @@ def recorded_command(argv: Sequence[str]) -> str:
     Returns:
         ``"python -m tokenrouter.tools.train_routers " + the arguments``, space-joined.
     """
-    def local(path: str) -> str:
-        if not os.path.isabs(path):
-            return path
-        return os.path.relpath(path, REPO_ROOT) if path.startswith(REPO_ROOT + os.sep) else os.path.basename(path)
-
     out, flag = [], None
     for a in argv:
         if a.startswith("--") and "=" in a:
             k, v = a.split("=", 1)
-            out.append(f"{k}={local(v)}" if k in _PATH_FLAGS else a)
+            out.append(f"{k}={portable_path(v)}" if k in _PATH_FLAGS else a)
             flag = None
         elif a.startswith("--"):
             out.append(a)
             flag = a
         else:
-            out.append(local(a) if flag in _PATH_FLAGS else a)
+            out.append(portable_path(a) if flag in _PATH_FLAGS else a)
     return "python -m tokenrouter.tools.train_routers " + " ".join(out)
-
-
-_PATH_FLAGS = ("--data", "--out", "--prompts", "--slm", "--llm")
 
 
 @torch.no_grad()
@@ -503,7 +507,7 @@ def main(argv=None) -> int:
                    "critical": (f"diff whose {a.rollout_tokens}-token LLM rollout after the SLM's token does not "
                                 f"re-join the trajectory ({a.rejoin_tokens} tokens)") if a.rollout_tokens else "diff",
                    "rates": {"diff": float(y.mean()), "critical": float(y_crit.mean())},
-                   "prompts": [os.path.relpath(p, REPO_ROOT) if p.startswith(REPO_ROOT) else p for p in a.prompts],
+                   "prompts": [portable_path(os.path.abspath(p)) for p in a.prompts],
                    "dtype": a.dtype,
                    "max_new_tokens": a.max_new_tokens, "positions": n, "seed": a.seed,
                    "command": recorded_command(argv if argv is not None else sys.argv[1:])}
