@@ -441,4 +441,10 @@ def test_parameter_validation_units():
     with pytest.raises(ValueError, match=r"unknown parameters for algorithm 'colm': \['etaa'\]"):
         colm.validate_params({"etaa": 0.1}, 2)
     r2r = get_algorithm("r2r")
-    assert r2r.validate_params({}, 2)["threshold"] is None  # the file's recall-0.95 threshold
+    assert r2r.validate_params({}, 2)["threshold"] is None  # auto: model 0's process picks the file
+    # a named file: its recall-0.95 threshold, so that the routing summary shows the one in force
+    from tokenrouter.algorithms.learned import load_router
+    named = "r2r_qwen2.5-coder-0.5b_code-math.pt"
+    stored = load_router(named, "r2r").threshold
+    assert stored is not None and r2r.validate_params({"router": named}, 2)["threshold"] == stored
+    assert r2r.validate_params({"router": named, "threshold": 0.5}, 2)["threshold"] == 0.5

@@ -17,6 +17,9 @@ that threshold; ``threshold`` overrides it (per request: ``routing_threshold``).
 
 Parameters: ``threshold`` (float in [0, 1]; default: the file's recall-0.95
 threshold), ``router`` (default ``auto``: the shipped router trained for model 0's checkpoint).
+With a named router file and no ``threshold``, validation fills in the file's threshold, so the
+routing summary's ``params`` show the one in force (with ``auto`` the file is chosen by model 0's
+process, and ``threshold`` stays null there).
 Trace score: ``p`` on SLM steps, none on LLM steps.
 """
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 from ..protocol import StepResult
 from .base import ParamSpec
 from .deferral import OneTokenDeferral, router_spec
-from .learned import embedding_matrix, r2r_features
+from .learned import AUTO, embedding_matrix, load_router, r2r_features
 
 __all__ = ["R2R"]
 
@@ -40,6 +43,22 @@ class R2R(OneTokenDeferral):
                                           "(default: the router file's recall-0.95 threshold)"),
                    "router": router_spec()}
     threshold_param = "threshold"
+
+    @classmethod
+    def validate_params(cls, params, num_models):
+        """The base checks, then, for a named router file and no ``threshold``, the file's threshold.
+
+        Raises:
+            ValueError: as :meth:`OneTokenDeferral.validate_params`, or a named file that stores
+                no threshold while none is given.
+        """
+        out = super().validate_params(params, num_models)
+        if out["threshold"] is None and out["router"] != AUTO:
+            thr = load_router(out["router"], cls.router_kind).threshold
+            if thr is None:
+                raise ValueError(f"router {out['router']!r} stores no threshold; set 'threshold'")
+            out["threshold"] = thr
+        return out
 
     def attach(self, engine) -> None:
         super().attach(engine)
