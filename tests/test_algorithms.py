@@ -448,3 +448,24 @@ def test_parameter_validation_units():
     stored = load_router(named, "r2r").threshold
     assert stored is not None and r2r.validate_params({"router": named}, 2)["threshold"] == stored
     assert r2r.validate_params({"router": named, "threshold": 0.5}, 2)["threshold"] == 0.5
+
+
+def test_learned_routers_check_model_0_s_checkpoint():
+    """Before serving, a learned router's file is checked against model 0's checkpoint: a file
+    trained for another hidden size (or none shipped for it, with ``auto``) is refused, naming the
+    shipped files that fit; a remote model 0 (None) is not checked."""
+    from tokenrouter.algorithms import get_algorithm
+    from tokenrouter.triton.common import resolve_model_path
+
+    smol = resolve_model_path("smollm2-135m-instruct")
+    for kind in ("r2r", "citer", "colm"):
+        cls = get_algorithm(kind)
+        cls.check_checkpoints(cls.validate_params({}, 2), [smol, None])  # auto: the SmolLM2 file
+        cls.check_checkpoints(cls.validate_params({"router": f"{kind}_smollm2-135m.pt"}, 2), [smol, None])
+        cls.check_checkpoints(cls.validate_params({"router": f"{kind}_qwen2.5-coder-0.5b.pt"}, 2), [None, smol])
+        with pytest.raises(ValueError, match=rf"hidden size 896, model 0 \(smollm2-135m-instruct\) has 576; "
+                                             rf"shipped {kind} routers of that size: \['{kind}_smollm2-135m.pt'\]"):
+            cls.check_checkpoints(cls.validate_params({"router": f"{kind}_qwen2.5-coder-0.5b.pt"}, 2), [smol, None])
+    with pytest.raises(ValueError, match="no shipped r2r router was trained for model 0 'elsewhere'"):
+        get_algorithm("r2r").check_checkpoints({"router": "auto", "threshold": None}, ["/nonexistent/elsewhere"])
+    get_algorithm("rstitch").check_checkpoints({}, [smol, smol])  # nothing to check

@@ -405,6 +405,11 @@ def test_entrypoint_refuses_tcp_without_keys(tmp_path):
      "model token_router: default_max_tokens must be >= 1, got 0"),
     (["--pair", "demo", "--set", "llm.malloc_mmap_threshold_bytes=99999999999"],
      "model llm: malloc_mmap_threshold_bytes must be >= 0 and <= 33554432"),
+    # a router file trained for another SLM: refused here, not by every request of a ready server
+    (["--pair", "demo", "--set", "token_router.algorithm=r2r",
+      "--set", 'token_router.algorithm_params={"router": "r2r_qwen2.5-coder-0.5b.pt"}'],
+     "was trained for hidden size 896, model 0 (smollm2-135m-instruct) has 576; shipped r2r routers of "
+     "that size: ['r2r_smollm2-135m.pt']"),
 ])
 def test_serve_refuses_bad_options_before_starting(args, message):
     """A bad option ends deploy/serve at once with one clear line: nothing is set up or started."""

@@ -116,3 +116,7 @@ def test_a_missing_router_file_names_the_shipped_ones():
 
     with pytest.raises(ValueError, match=r"router file 'r2r_nope.pt' not found .*shipped: \[.*'r2r_qwen2.5-coder-0.5b.pt'"):
         resolve_router_path("r2r_nope.pt")
+    # with the algorithm's kind, only the files of that kind
+    with pytest.raises(ValueError, match=r"shipped r2r routers: \['r2r_qwen2.5-coder-0.5b.pt'") as e:
+        resolve_router_path("r2r_nope.pt", "r2r")
+    assert "citer_" not in str(e.value) and "r2r_smollm2-135m.pt" in str(e.value)

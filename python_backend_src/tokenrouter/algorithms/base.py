@@ -173,6 +173,21 @@ class RoutingAlgorithm:
             out[k] = spec.check(k, params[k]) if given else spec.default
         return out
 
+    @classmethod
+    def check_checkpoints(cls, params: Dict[str, Any], model_paths: List[Optional[str]]) -> None:
+        """Check, before serving, that the models' checkpoints can run this algorithm (default:
+        nothing to check).  Learned routers check their router file against model 0's checkpoint.
+
+        Args:
+            params: validated parameters.
+            model_paths: each model's checkpoint folder, in the router's order; None for a
+                model whose checkpoint is not known here (a remote one).
+
+        Raises:
+            ValueError: a checkpoint this algorithm cannot serve (the message says why).
+        """
+        return None
+
     def peers(self) -> List[int]:
         """Model indices of the peers; ``route`` returns 1-based positions in this list."""
         return [m for m in range(self.num_models) if m != self.model_index]

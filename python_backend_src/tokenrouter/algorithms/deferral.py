@@ -12,13 +12,15 @@ the comparison (subclasses: :class:`~.citer.CITER`, :class:`~.r2r.R2R`,
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any, Dict, Optional
 
 import torch
 
 from ..protocol import StepResult
 from .base import ParamSpec, RoutingAlgorithm
-from .learned import AUTO, RouterFile, find_router, load_router
+from .learned import AUTO, RouterFile, find_router, load_router, shipped_routers
 
 __all__ = ["OneTokenDeferral", "router_spec"]
 
@@ -68,14 +70,49 @@ class OneTokenDeferral(RoutingAlgorithm):
         if not getattr(engine.config, "capture_hidden", False):
             raise ValueError(f"algorithm {self.name!r} needs the last hidden state of model 0: set the "
                              f"config parameter capture_hidden to true on that model")
-        path = self.params["router"]
+        self.router = self._router_for(self.params, engine.config.model_path,
+                                       getattr(engine.model_config, "hidden_size", None))
+
+    @classmethod
+    def _router_for(cls, params: Dict[str, Any], model_path: str, hidden_size: Optional[int]) -> RouterFile:
+        """The router file ``params["router"]`` names (``auto``: the shipped one for ``model_path``),
+        checked against model 0's hidden size (None: not checked).
+
+        Raises:
+            ValueError: no such file, none shipped for the checkpoint, or another hidden size.
+        """
+        path = params["router"]
         if path == AUTO:
-            path = find_router(self.router_kind, engine.config.model_path)
-        self.router = load_router(path, self.router_kind)
-        hs = getattr(engine.model_config, "hidden_size", None)
-        if hs is not None and int(self.router.arch.get("hidden_size", hs)) != int(hs):
-            raise ValueError(f"router {self.router.path!r} was trained for hidden size "
-                             f"{self.router.arch.get('hidden_size')}, model 0 has {hs}")
+            path = find_router(cls.router_kind, model_path)
+        router = load_router(path, cls.router_kind)
+        trained = router.arch.get("hidden_size")
+        if hidden_size is not None and trained is not None and int(trained) != int(hidden_size):
+            fit = [f for f in shipped_routers(cls.router_kind)
+                   if load_router(f, cls.router_kind).arch.get("hidden_size") == int(hidden_size)]
+            raise ValueError(f"router {router.path!r} was trained for hidden size {trained}, model 0 "
+                             f"({os.path.basename(os.path.normpath(model_path))}) has {hidden_size}; "
+                             f"shipped {cls.router_kind} routers of that size: {fit or 'none'}")
+        return router
+
+    @classmethod
+    def check_checkpoints(cls, params, model_paths):
+        """Model 0's checkpoint against the router file: one is shipped for it (``auto``) and the
+        file's hidden size is the checkpoint's (``config.json``'s ``hidden_size``), so that a
+        mismatch fails the deployment instead of every request.  Nothing is checked when model 0's
+        checkpoint is not known here.
+
+        Raises:
+            ValueError: as :meth:`_router_for`.
+        """
+        path = model_paths[0] if model_paths else None
+        if path is None:
+            return
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                hidden = json.load(f).get("hidden_size")
+        except (OSError, ValueError):
+            hidden = None
+        cls._router_for(params, path, hidden)
 
     # ---------------------------------------------------------------- rule
     def score(self, result: StepResult) -> float:

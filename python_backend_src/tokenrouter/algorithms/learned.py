@@ -141,8 +141,13 @@ def shipped_routers(kind: str = "") -> List[str]:
     return sorted(f for f in os.listdir(ROUTERS_DIR) if f.startswith(f"{kind}_" if kind else "") and f.endswith(".pt"))
 
 
-def resolve_router_path(path: str) -> str:
+def resolve_router_path(path: str, kind: str = "") -> str:
     """Absolute router file: ``path`` if absolute, else under :data:`ROUTERS_DIR`, else relative to cwd.
+
+    Args:
+        path: the ``router`` parameter.
+        kind: the algorithm's router kind, so that the error lists only the shipped files of that
+            kind ("": all).
 
     Raises:
         ValueError: no such file (the message names both places looked at and the shipped files).
@@ -151,8 +156,9 @@ def resolve_router_path(path: str) -> str:
     for c in cands:
         if os.path.isfile(c):
             return os.path.abspath(c)
-    raise ValueError(f"router file {path!r} not found (looked at {cands}; shipped: {shipped_routers()}); train one with "
-                     f"`python -m tokenrouter.tools.train_routers` (docs/algorithms/)")
+    what = f"shipped {kind} routers" if kind else "shipped"
+    raise ValueError(f"router file {path!r} not found (looked at {cands}; {what}: {shipped_routers(kind)}); train "
+                     f"one with `python -m tokenrouter.tools.train_routers` (docs/algorithms/)")
 
 
 #: the ``router`` parameter's default: the shipped router of this kind trained for the served SLM
@@ -194,7 +200,7 @@ def load_router(path: str, kind: Optional[str] = None) -> RouterFile:
     Raises:
         ValueError: missing file, not a router file, wrong kind or bad weights.
     """
-    full = resolve_router_path(path)
+    full = resolve_router_path(path, kind or "")
     key = (full, os.path.getmtime(full))
     with _LOCK:
         hit = _CACHE.get(key)

@@ -27,7 +27,8 @@ import sys
 from typing import Dict, Iterable, List, Mapping, Optional
 
 __all__ = ["PAIRS", "read_config", "write_config", "set_parameters", "make_variant", "add_router",
-           "parse_settings", "serving_params", "check_routing", "check_tokenizers", "DEFAULT_PAIR"]
+           "parse_settings", "serving_params", "check_routing", "check_tokenizers", "check_router_checkpoints",
+           "DEFAULT_PAIR"]
 
 #: parameter overrides per demo pair (model name -> config parameters)
 PAIRS: Dict[str, Dict[str, Dict[str, str]]] = {
@@ -391,9 +392,40 @@ def check_models(repo: str, settings: Mapping[str, Mapping[str, str]]) -> None:
                 raise ValueError(f"--set {m}.{key}: not a config parameter of {m} (role {role}; "
                                  "docs/configuration.md lists them)")
         try:
-            (RouterSettings if role == "router" else LLMSettings).from_parameters(params)
+            loaded = (RouterSettings if role == "router" else LLMSettings).from_parameters(params)
+            if role == "router":
+                check_router_checkpoints(repo, loaded)
         except (ValueError, FileNotFoundError) as e:
             raise ValueError(f"model {m}: {e}") from None
+
+
+def check_router_checkpoints(repo: str, router) -> None:
+    """Check a router's algorithm against the checkpoints of its models that ``repo`` holds
+    (:meth:`~tokenrouter.algorithms.base.RoutingAlgorithm.check_checkpoints`: a learned router's
+    file against model 0's hidden size), so that a mismatch stops the deployment, not every request.
+
+    Args:
+        repo: the written repository.
+        router: the router's :class:`~tokenrouter.triton.settings.RouterSettings`.
+
+    Raises:
+        ValueError: a checkpoint the algorithm cannot serve; FileNotFoundError: a model's
+            ``model_path`` is no checkpoint folder.
+    """
+    from ..algorithms import get_algorithm  # noqa: PLC0415 - torch; the caller has loaded it already
+    from ..triton.common import resolve_model_path
+    from ..triton.settings import DEFAULT_CHECKPOINT
+
+    paths: List[Optional[str]] = []
+    for m in router.models:
+        cfg = os.path.join(repo, m, "config.pbtxt")
+        if m in router.remote_models or not os.path.isfile(cfg):
+            paths.append(None)  # checked by the server that holds it
+            continue
+        params = read_config(cfg).parameters
+        paths.append(resolve_model_path(params["model_path"].string_value if "model_path" in params
+                                        else DEFAULT_CHECKPOINT))
+    get_algorithm(router.algorithm).check_checkpoints(dict(router.algorithm_params), paths)
 
 
 def main(argv: Optional[Iterable[str]] = None) -> int:
