@@ -26,7 +26,8 @@ import pytest
 import requests
 
 from tr_client import grpc_stream, wait_kv_released
-from tr_server import python_stubs, rss_bytes, running_server, start_openai_frontend, stop_openai_frontend
+from tr_server import (generate_error_status, python_stubs, rss_bytes, running_server, start_openai_frontend,
+                       stop_openai_frontend)
 
 pytestmark = pytest.mark.server
 
@@ -47,14 +48,6 @@ BIG = 16 * 1024 * 1024
 #: or parsing it (what the limits prevent) took about 80 bytes per input byte
 RSS_MARGIN = 8 * BIG
 HEALTHY = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
-
-
-def generate_busy_status(server) -> int:
-    """HTTP status of Triton 2.51's generate endpoint for the router's busy answer (UNAVAILABLE): 503 where
-    tritonserver runs on jemalloc (tokenrouter.tools.allocator); on glibc that endpoint answers 400 for
-    every error a model sends, whatever its code (docs/api.md, "Errors")."""
-    with open(f"/proc/{server.process.pid}/maps") as f:
-        return 503 if "libjemalloc" in f.read() else 400
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +245,7 @@ def test_flood_is_answered_with_results_or_busy(server):
     ok = [r for r in results if r.status_code == 200]
     busy = [r for r in results if r.status_code != 200]
     assert ok and busy, [r.status_code for r in results]
-    expected = generate_busy_status(server)
+    expected = generate_error_status(server, 503)  # busy: UNAVAILABLE
     for r in busy:
         # the router's code is UNAVAILABLE; "busy: " tells overload apart from bad input either way
         assert r.status_code == expected, (r.status_code, r.text[:300])

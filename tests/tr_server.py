@@ -47,6 +47,15 @@ def running_server(repo, work: Path, **kwargs) -> Iterator[TritonServer]:
         print(f"\ntritonserver log: {s.log_path}")
 
 
+def generate_error_status(server, status: int) -> int:
+    """HTTP status of Triton 2.51's generate endpoint for a model's error whose code maps to
+    ``status`` (503: UNAVAILABLE, busy; 500: INTERNAL): that status where tritonserver runs on
+    jemalloc (tokenrouter.tools.allocator); on glibc that endpoint answers 400 for every error a
+    model sends, whatever its code (docs/api.md, "Errors")."""
+    with open(f"/proc/{server.process.pid}/maps") as f:
+        return status if "libjemalloc" in f.read() else 400
+
+
 # ------------------------------------------------------------------ Python stubs
 @dataclass(frozen=True)
 class Stub:

@@ -70,10 +70,15 @@ class AdmissionMixin:
         lr = self.requests.get(peer_req.rid)
         try:
             self._validate(peer_req, lr)
-            algo = self._make_algo(peer_req)
-        except ValueError as e:
+        except ValueError as e:  # the request's input: the client's error
             self.counters["errors"] += 1
             sink("error", [], {"message": f"model {self.name}: {e}", "refused": True})
+            return
+        try:
+            algo = self._make_algo(peer_req)
+        except ValueError as e:  # the deployment's (e.g. a router file for another model): a server error
+            self.counters["errors"] += 1
+            sink("error", [], {"message": f"model {self.name}: {e}", "refused": False})
             return
         if lr is None:
             need = self._reservation(peer_req, len(peer_req.tokens))
