@@ -24,8 +24,11 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -470,8 +473,13 @@ def test_stop_ends_a_server_that_maps_no_shared_memory():
     name = f"fake-{os.getpid()}"
     run_dir = os.path.join(os.environ["TOKENROUTER_CACHE"], f"run-{name}")  # deploy/serve's run folder
     os.makedirs(run_dir, exist_ok=True)
-    fake = subprocess.Popen(["tritonserver", "300"], executable="/bin/sleep")
+    # SIGINT's default action: a suite started in the background by a shell inherits SIGINT ignored
+    fake = subprocess.Popen(["tritonserver", "300"], executable="/bin/sleep",
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
+        deadline = time.monotonic() + 30  # until the exec: before it, the child's command line is pytest's
+        while b"tritonserver" not in Path(f"/proc/{fake.pid}/cmdline").read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.01)
         with open(os.path.join(run_dir, "tritonserver.pid"), "w") as f:
             f.write(f"{fake.pid}\n")
         r = subprocess.run([os.path.join(ROOT, "deploy", "serve"), "--stop", "--name", name],
