@@ -207,28 +207,45 @@ def check_tokenizers(repo: str) -> None:
     """
     from ..engine.tokenizer_check import tokenizer_difference
     from ..triton.common import resolve_model_path
-    from ..triton.settings import DEFAULT_CHECKPOINT as default_path  # tokenizer_path's and model_path's default
-
-    def param(cfg, key: str, default: str) -> str:
-        return cfg.parameters[key].string_value if key in cfg.parameters else default
+    from ..triton.settings import DEFAULT_CHECKPOINT as default_path  # tokenizer_path's default
 
     seen: Dict[tuple, Optional[str]] = {}
     for name in sorted(os.listdir(repo)):
         if not os.path.isfile(os.path.join(repo, name, "config.pbtxt")) or not _is_router(repo, name):
             continue
         cfg = read_config(os.path.join(repo, name, "config.pbtxt"))
-        tok = resolve_model_path(param(cfg, "tokenizer_path", default_path))
-        for m in (x.strip() for x in param(cfg, "models", "slm,llm").split(",") if x.strip()):
-            path = os.path.join(repo, m, "config.pbtxt")
-            if not os.path.isfile(path):
+        tok = resolve_model_path(_param(cfg, "tokenizer_path", default_path))
+        for m in (x.strip() for x in _param(cfg, "models", "slm,llm").split(",") if x.strip()):
+            model = _checkpoint_of(repo, m)
+            if model is None:
                 continue
-            model = resolve_model_path(param(read_config(path), "model_path", default_path))
             key = (os.path.realpath(tok), os.path.realpath(model))
             if key[0] != key[1] and key not in seen:
                 seen[key] = tokenizer_difference(tok, model)
             if seen.get(key):
                 raise ValueError(f"router {name} cannot route to model {m}: its tokenizer ({tok}) and "
                                  f"the model's ({model}) differ: {seen[key]}")
+
+
+def _param(cfg, key: str, default: str) -> str:
+    """A ``ModelConfig``'s parameter ``key`` as a string; ``default`` where it is not set."""
+    return cfg.parameters[key].string_value if key in cfg.parameters else default
+
+
+def _checkpoint_of(repo: str, model: str) -> Optional[str]:
+    """The checkpoint folder of ``model`` in ``repo`` (its ``model_path``, resolved); None where
+    ``repo`` does not hold the model.
+
+    Raises:
+        FileNotFoundError: ``model_path`` is no checkpoint folder.
+    """
+    from ..triton.common import resolve_model_path
+    from ..triton.settings import DEFAULT_CHECKPOINT
+
+    path = os.path.join(repo, model, "config.pbtxt")
+    if not os.path.isfile(path):
+        return None
+    return resolve_model_path(_param(read_config(path), "model_path", DEFAULT_CHECKPOINT))
 
 
 def _is_router(src: str, model: str) -> bool:
@@ -413,18 +430,9 @@ def check_router_checkpoints(repo: str, router) -> None:
             ``model_path`` is no checkpoint folder.
     """
     from ..algorithms import get_algorithm  # noqa: PLC0415 - torch; the caller has loaded it already
-    from ..triton.common import resolve_model_path
-    from ..triton.settings import DEFAULT_CHECKPOINT
 
-    paths: List[Optional[str]] = []
-    for m in router.models:
-        cfg = os.path.join(repo, m, "config.pbtxt")
-        if m in router.remote_models or not os.path.isfile(cfg):
-            paths.append(None)  # checked by the server that holds it
-            continue
-        params = read_config(cfg).parameters
-        paths.append(resolve_model_path(params["model_path"].string_value if "model_path" in params
-                                        else DEFAULT_CHECKPOINT))
+    # a remote model (None) is checked by the server that holds it
+    paths = [None if m in router.remote_models else _checkpoint_of(repo, m) for m in router.models]
     get_algorithm(router.algorithm).check_checkpoints(dict(router.algorithm_params), paths)
 
 
