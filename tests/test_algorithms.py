@@ -438,8 +438,12 @@ def test_parameter_validation_units():
         me.validate_params({"weights": [1, -1]}, 2)
     colm = get_algorithm("colm")
     assert colm.validate_params({"compose": "true"}, 2)["compose"] is True
-    with pytest.raises(ValueError, match="'eta'"):
+    with pytest.raises(ValueError, match="'eta' must be a number, got \"high\""):
         colm.validate_params({"eta": "high"}, 2)
+    with pytest.raises(ValueError, match="'eta' must be a number, got true"):  # the request's JSON, not Python's True
+        colm.validate_params({"eta": True}, 2)
+    with pytest.raises(ValueError, match="'compose' must be true/false, got null"):
+        colm.validate_params({"compose": None}, 2)
     with pytest.raises(ValueError, match=r"unknown parameters for algorithm 'colm': \['etaa'\]"):
         colm.validate_params({"etaa": 0.1}, 2)
     r2r = get_algorithm("r2r")

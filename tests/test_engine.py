@@ -415,3 +415,35 @@ def test_load_tokenizer_behaves_as_autotokenizer(model):
     some = list(range(0, len(ref), 97)) + sorted(ref.all_special_ids)
     a, b = TokenStrings(tok), TokenStrings(ref)
     assert [(a.text(i), a.bytes(i)) for i in some] == [(b.text(i), b.bytes(i)) for i in some]
+
+
+def test_model_registry_imports_only_the_served_architectures():
+    """An engine narrows SGLang's model registry to tokenrouter.engine.sglang_models before SGLang's
+    first import: the architectures of the pairs resolve without importing SGLang's other 260 model
+    modules; another architecture still resolves (the registry then imports them all); a package
+    the user named is kept."""
+    import subprocess
+    import sys
+
+    code = r"""
+import os, sys
+from tokenrouter.engine.cpu import install
+from tokenrouter.engine.sglang_models import narrow_model_registry
+install()
+os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] = "users.own"
+assert narrow_model_registry() is False and os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"] == "users.own"
+del os.environ["SGLANG_EXTERNAL_MODEL_PACKAGE"]
+assert narrow_model_registry() is True
+from sglang.srt.models.registry import ModelRegistry
+models = lambda: sorted(m for m in sys.modules if m.startswith("sglang.srt.models."))
+assert models() == ["sglang.srt.models.llama", "sglang.srt.models.qwen2", "sglang.srt.models.registry"], models()
+for arch in ("LlamaForCausalLM", "Qwen2ForCausalLM"):
+    assert ModelRegistry.resolve_model_cls([arch])[1] == arch
+assert len(models()) == 3
+assert ModelRegistry.resolve_model_cls(["GPT2LMHeadModel"])[1] == "GPT2LMHeadModel"
+assert len(models()) > 100, len(models())
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={k: v for k, v in os.environ.items() if k != "SGLANG_EXTERNAL_MODEL_PACKAGE"})
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout[-2000:] + p.stderr[-3000:]

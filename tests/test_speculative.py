@@ -295,7 +295,7 @@ def test_draft_verify_parameters_are_checked():
     assert cls.threshold_param == "alpha" and (params["rule"], params["alpha"], params["k"]) == ("prob", 0.2, 3)
     assert get_algorithm("draft_verify").validate_params({}, 2)["rule"] == "ratio"
     for bad, msg in (('{"alpha": 1.5}', r"'alpha'=1.5 outside \[0.0, 1.0\]"), ('{"alpha": -0.1}', "'alpha'"),
-                     ('{"k": 0}', r"'k'=0 outside"), ('{"k": "adaptive"}', "'k' must be int"),
+                     ('{"k": 0}', r"'k'=0 outside"), ('{"k": "adaptive"}', "'k' must be an integer, got \"adaptive\""),
                      ('{"rule": "judge"}', r"'rule': must be one of \['prob', 'ratio', 'router'\]"),
                      ('{"rule": "router", "router": "dv_none.pt"}', "router file 'dv_none.pt' not found"),
                      ('{"rule": "router", "router": "r2r_smollm2-135m.pt"}',

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 import struct
 from typing import Any, Callable, Dict, List, Optional, Union
@@ -75,33 +76,44 @@ class ParamSpec:
         self.parse = parse
 
     def check(self, name: str, value: Any) -> Any:
-        """Return ``value`` converted to ``kind``; raise ValueError naming ``name``."""
+        """Return ``value`` converted to ``kind``; raise ValueError naming ``name`` and showing the
+        value as the request's JSON wrote it (``true``, ``"0.5"``, ``null``)."""
         if self.parse is not None:
             try:
                 return self.parse(value)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"routing parameter {name!r}: {e}") from None
+        got = _as_json(value)
         if self.kind is str:
             if not isinstance(value, str) or not value:
-                raise ValueError(f"routing parameter {name!r} must be a non-empty string, got {value!r}")
+                raise ValueError(f"routing parameter {name!r} must be a non-empty string, got {got}")
             return value
         if self.kind is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
                 return value.lower() in ("true", "1")
             if not isinstance(value, bool):
-                raise ValueError(f"routing parameter {name!r} must be true/false, got {value!r}")
+                raise ValueError(f"routing parameter {name!r} must be true/false, got {got}")
             return value
+        kind = {float: "a number", int: "an integer"}.get(self.kind, self.kind.__name__)
         try:
             v = self.kind(value)
         except (TypeError, ValueError):
-            raise ValueError(f"routing parameter {name!r} must be {self.kind.__name__}, got {value!r}") from None
+            raise ValueError(f"routing parameter {name!r} must be {kind}, got {got}") from None
         if isinstance(value, bool) or (self.kind is int and float(value) != v):
-            raise ValueError(f"routing parameter {name!r} must be {self.kind.__name__}, got {value!r}")
+            raise ValueError(f"routing parameter {name!r} must be {kind}, got {got}")
         if self.kind is float and not math.isfinite(v):
-            raise ValueError(f"routing parameter {name!r} must be a finite number, got {value!r}")
+            raise ValueError(f"routing parameter {name!r} must be a finite number, got {got}")
         if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
             raise ValueError(f"routing parameter {name!r}={v} outside [{self.lo}, {self.hi}]")
         return v
+
+
+def _as_json(value: Any) -> str:
+    """``value`` as JSON text where it has one (a request's parameters are JSON), else its repr."""
+    try:
+        return json.dumps(value, allow_nan=True)
+    except (TypeError, ValueError):
+        return repr(value)
 
 
 class RoutingAlgorithm:

@@ -37,6 +37,7 @@ from .calibration import calibrate
 from .config import EngineConfig
 from .device import resolve_device, resolve_dtype, server_args_kwargs
 from .kv_slots import KVSlots
+from .sglang_models import narrow_model_registry
 from .sequence import ForwardOutput, Sequence
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ class SGLangEngine(KVSlots):
 
     # ------------------------------------------------------------------ load
     def _load(self) -> None:
+        narrow_model_registry()  # before SGLang's registry is imported: only the architectures served here
         from sglang.benchmark import one_batch as ob
         from sglang.srt.entrypoints.engine import _set_envs_and_config
         from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
