@@ -32,7 +32,7 @@ from pathlib import Path
 
 import requests
 
-from tritonserver import TritonServer
+from tritonserver import TritonServer, exit_on_termination
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("algorithm_repository", ROOT / "deploy" / "algorithm_repository.py")
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench-algorithms-")
     repo = algorithm_repository.write(os.path.join(tmp, "repo"), kv_pool_tokens=8192)
     results = {}
+    exit_on_termination()  # killed or timed out: leave the with-block, so that the server stops too
     with TritonServer(repo, log_path=os.path.join(tmp, "tritonserver.log")) as srv:
         one(srv.http_url, "token_router_none", prompts[0], 4)  # warm-up
         for name in a.algorithms.split(","):

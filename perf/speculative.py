@@ -36,6 +36,11 @@ Reported per (N, setting), means over repeats with the per-window spread:
   The two handoffs per round are what separates ``speedup`` from it at N = 1; at N > 1 the SLM
   drafts for some requests while the LLM verifies others, which the ceiling does not count.
 
+* where the time goes: each model's steps per output token (``llm_steps_per_token``,
+  ``slm_steps_per_token``, from its step counter) and, with memory-bound steps, the weight traffic
+  an output token costs (``weight_gb_per_token``: steps per token × :func:`step_weight_gb`) and the
+  speed-up that traffic alone predicts against LLM-only (``weight_traffic_speedup``).
+
 ``--slm-only`` adds the SLM alone (``token_router_slm``) and ``--router NAME=ALGO[:JSON]`` any other
 router model (``token_router_NAME``: e.g. R-Stitch or draft-verify at one threshold) to the same
 run, so that routing, draft-verify and speculation meet on the same prompts; every setting also
@@ -127,9 +132,49 @@ def run_setting(url: str, router: str, prompts, n: int, max_tokens: int, duratio
     # (speculative: an extend of k + 1 tokens per request), the SLM's are drafting steps
     res["t_step_llm_s"] = d["llm"]["forward_s"] / d["llm"]["steps"] if d["llm"]["steps"] else None
     res["t_step_slm_s"] = d["slm"]["forward_s"] / d["slm"]["steps"] if d["slm"]["steps"] else None
+    # steps per output token: with memory-bound steps, what each model's weights cost an answer
+    for side in ("llm", "slm"):
+        res[f"{side}_steps"] = int(d[side]["steps"])
+        res[f"{side}_steps_per_token"] = (d[side]["steps"] / res["output_tokens"]
+                                          if res.get("output_tokens") else None)
     res["llm_busy_share"] = d["llm"]["step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
     res["slm_busy_share"] = d["slm"]["step_time_s"] / (m["bounds"][-1] - m["bounds"][0])
     return res
+
+
+def step_weight_gb(repo: str, model: str) -> float | None:
+    """GB of weights one forward step of ``model`` (a model of the run's repository) reads: the
+    parameters of its safetensors checkpoint in the dtype it is served in (its ``dtype``, ``auto``
+    resolved as the engine resolves it on this host), an untied input embedding counted as nothing
+    (a step looks up one row per token).  None where the checkpoint has no safetensors files.
+
+    A decoding step of a few rows is memory-bound on a CPU, so ``steps per output token × this``
+    is the weight traffic an answer costs (the ``weight_gb_per_token`` of a setting).
+    """
+    import glob
+    import math
+    import struct
+
+    from tokenrouter.engine.device import resolve_dtype
+    from tokenrouter.tools.repository import read_config
+    from tokenrouter.triton.common import resolve_model_path
+
+    params = read_config(os.path.join(repo, model, "config.pbtxt")).parameters
+    path = resolve_model_path(params["model_path"].string_value)
+    dtype = resolve_dtype(params["dtype"].string_value if "dtype" in params else "auto", "cpu")
+    counts = {}
+    for f in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+        for name, t in header.items():
+            if name != "__metadata__":
+                counts[name] = math.prod(t["shape"])
+    if not counts:
+        return None
+    n = sum(counts.values())
+    if "lm_head.weight" in counts:  # untied: the input embedding is looked up, not read whole
+        n -= sum(c for name, c in counts.items() if name.endswith("embed_tokens.weight"))
+    return n * {"float32": 4, "float16": 2, "bfloat16": 2}[dtype] / 1e9
 
 
 def main(argv=None) -> int:
@@ -165,7 +210,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     from tokenrouter.tools.repository import make_variant
-    from tritonserver import TritonServer
+    from tritonserver import TritonServer, exit_on_termination
+
+    exit_on_termination()  # killed or timed out: leave the with-block, so that the server stops too
 
     ks = [] if a.k.strip().lower() in ("", "none") else [int(k) for k in a.k.split(",")]
     if not ks and not a.no_adaptive:
@@ -219,12 +266,17 @@ def main(argv=None) -> int:
     tok_path = read_config(os.path.join(repo, "token_router", "config.pbtxt")).parameters["tokenizer_path"].string_value
     weights = os.environ.get("TOKENROUTER_WEIGHTS", "")
     tokenizer = load_tokenizer(tok_path if os.path.isabs(tok_path) else os.path.join(weights, tok_path))
+    gb_step = {m: step_weight_gb(repo, m) for m in set(llm_of.values()) | {"slm"}}
     results = {}
     t_start = time.time()
     with TritonServer(repo, log_path=os.path.join(tmp, "tritonserver.log")) as srv:
         url = srv.grpc_url
         for n in ns:
             per = {name: [] for name in routers}
+
+            def mean_of(rs, key):
+                xs = [r[key] for r in rs if r.get(key) is not None]
+                return statistics.fmean(xs) if len(xs) == len(rs) else None
             for rep in range(a.repeats):
                 for name in routers:
                     r = run_setting(url, name, prompts, n, a.max_tokens, a.duration, a.windows, tokenizer,
@@ -273,7 +325,16 @@ def main(argv=None) -> int:
                         # writes one token per decode step (Leviathan et al. 2023, §3.4, measured costs)
                         row.update(verify_over_decode=t_ver / t_dec,
                                    speedup_bound=tpr * t_dec / (k * t_dr + t_ver))
+                gb = {"llm": gb_step.get(llm_of[name]), "slm": gb_step.get("slm")}
+                per_tok = [mean_of(runs, f"{side}_steps_per_token") for side in ("llm", "slm")]
+                if None not in (gb["llm"], gb["slm"]) and all(x is not None for x in per_tok):
+                    row["llm_steps_per_token"], row["slm_steps_per_token"] = per_tok
+                    row["weight_gb_per_token"] = per_tok[0] * gb["llm"] + per_tok[1] * gb["slm"]
                 summary[name] = row
+            base_gb = summary["token_router_llm"].get("weight_gb_per_token")
+            for row in summary.values():  # the speed-up memory-bound steps predict: weight traffic's
+                if base_gb and row.get("weight_gb_per_token"):
+                    row["weight_traffic_speedup"] = base_gb / row["weight_gb_per_token"]
             best = max((nm for nm in summary if nm not in ("token_router_llm", "token_router_slm")
                         and not nm.startswith("token_router_llm_t")),
                        key=lambda nm: summary[nm]["throughput_tok_s"], default="token_router_llm")
@@ -281,7 +342,7 @@ def main(argv=None) -> int:
             print(f"N={n}: best {best} ({summary[best]['speedup']:.2f}x LLM-only)", flush=True)
     out = a.out or str(ROOT / "perf" / "results" / f"speculative-{a.pair}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    meta = {"pair": a.pair, "model_params": pool, "prompts": a.prompts, "concurrency": ns, "k": ks, "max_tokens": a.max_tokens, "duration_s": a.duration,
+    meta = {"pair": a.pair, "model_params": pool, "weight_gb_per_step": gb_step, "prompts": a.prompts, "concurrency": ns, "k": ks, "max_tokens": a.max_tokens, "duration_s": a.duration,
             "windows": a.windows, "repeats": a.repeats, "routers": routers, "started": t_start,
             "command": "python perf/speculative.py " + " ".join(sys.argv[1:] if argv is None else argv)}
     with open(out, "w") as f:

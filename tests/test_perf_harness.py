@@ -518,3 +518,21 @@ def test_a_second_interrupt_while_stopping_kills_the_server_session():
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == -signal.SIGKILL and server.process is None
+
+
+def test_step_weight_gb_counts_what_a_decoding_step_reads(tmp_path):
+    """perf/speculative.py's weight traffic per step: every parameter in the served dtype, an untied
+    input embedding left out (Qwen2.5-Coder-1.5B: 1.54 G parameters, 3.09 GB in bfloat16), a tied
+    one counted once (SmolLM2-135M in float32: 0.54 GB)."""
+    from speculative import step_weight_gb
+    from tokenrouter.tools.repository import make_variant
+
+    root = Path(__file__).resolve().parent.parent
+    demo = make_variant(str(root / "model_repository"), str(tmp_path / "demo"))
+    assert step_weight_gb(demo, "llm") == pytest.approx(134_515_008 * 4 / 1e9)  # float32 in the demo's config
+    pair = make_variant(str(root / "model_repository"), str(tmp_path / "pair"), pair="qwen-coder")
+    from tokenrouter.engine.device import resolve_dtype
+
+    width = 2 if resolve_dtype("auto", "cpu") == "bfloat16" else 4
+    assert step_weight_gb(pair, "llm") == pytest.approx(1_543_714_304 * width / 1e9)
+    assert step_weight_gb(pair, "slm") == pytest.approx(494_032_768 * width / 1e9)
