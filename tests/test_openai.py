@@ -293,6 +293,14 @@ def test_errors_are_openai_format(client, frontend):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, extra_body={"temperature": "hot"})
     assert _error(e.value)["param"] == "temperature"
+    # JSON true/false is no number (pydantic alone reads max_tokens: true as 1, routing_threshold: false as 0)
+    for field, value in (("max_tokens", True), ("routing_threshold", False), ("top_logprobs", True)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                           **({"max_tokens": 4} if field != "max_tokens" else {}),
+                                           extra_body={field: value})
+        err = _error(e.value)
+        assert err["param"] == field and err["message"] == f"{field} must be a number, got {json.dumps(value)}", err
 
 
 def test_client_cancel_frees_kv(client, frontend, triton_server):

@@ -51,7 +51,8 @@ def test_string_numbers_booleans_and_nulls_read_as_vllm_backend(triton_server):
 
 
 @pytest.mark.parametrize("sampling,needle", [
-    ({"max_tokens": "ten"}, "max_tokens must be an integer, got 'ten'"),
+    ({"max_tokens": "ten"}, 'max_tokens must be an integer, got "ten"'),
+    ({"max_tokens": True}, "max_tokens must be an integer, got true"),
     ({"temperature": "warm"}, "temperature must be a number"),
     ({"ignore_eos": "maybe"}, "ignore_eos must be true or false"),
     ({"repetition_penalty": 0}, "repetition_penalty"),

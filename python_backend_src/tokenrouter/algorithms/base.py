@@ -48,11 +48,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import math
 import struct
 from typing import Any, Callable, Dict, List, Optional, Union
 
+from ..engine.sampling import as_json
 from ..protocol import PeerReq, Status, StepResult, Verdict
 
 __all__ = ["RoutingAlgorithm", "ParamSpec", "Verdict", "request_uniform", "request_key"]
@@ -83,7 +83,7 @@ class ParamSpec:
                 return self.parse(value)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"routing parameter {name!r}: {e}") from None
-        got = _as_json(value)
+        got = as_json(value)
         if self.kind is str:
             if not isinstance(value, str) or not value:
                 raise ValueError(f"routing parameter {name!r} must be a non-empty string, got {got}")
@@ -106,14 +106,6 @@ class ParamSpec:
         if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
             raise ValueError(f"routing parameter {name!r}={v} outside [{self.lo}, {self.hi}]")
         return v
-
-
-def _as_json(value: Any) -> str:
-    """``value`` as JSON text where it has one (a request's parameters are JSON), else its repr."""
-    try:
-        return json.dumps(value, allow_nan=True)
-    except (TypeError, ValueError):
-        return repr(value)
 
 
 class RoutingAlgorithm:

@@ -27,7 +27,7 @@ from ..protocol import MAX_TOP_LOGPROBS, TokenLogprobs
 from .grammar import GUIDED_KEYS, GuidedSpec, parse_guided
 from .parameters import check_ranges, declarations, documented, param
 
-__all__ = ["SamplingParams", "filtered_probs", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
+__all__ = ["as_json", "SamplingParams", "filtered_probs", "parse_sampling_parameters", "validate_sampling", "BatchSampler",
            "normalized_entropy", "apply_penalties", "MAX_SEED", "SAMPLING_EPS", "SAMPLER_KEYS", "MAX_LOGPROBS",
            "logprobs_count", "token_logprobs", "InputLimits", "DEFAULT_LIMITS", "json_depth", "check_json_text"]
 
@@ -182,6 +182,15 @@ SAMPLER_KEYS = frozenset({"temperature", "top_p", "top_k", "seed", "repetition_p
 MAX_SEED = 2**63 - 1
 #: the most top alternatives a request may ask for per token (:data:`tokenrouter.protocol.MAX_TOP_LOGPROBS`)
 MAX_LOGPROBS = MAX_TOP_LOGPROBS
+def as_json(value: Any) -> str:
+    """``value`` as the JSON text a request would carry (``true``, ``"ten"``, ``null``, ``NaN``), for
+    error messages about request fields; its ``repr`` where it has no JSON form."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 #: temperatures below this are greedy, as in vLLM (logits / t would overflow float32)
 SAMPLING_EPS = 1e-5
 
@@ -194,13 +203,13 @@ def _to_number(key: str, v: Any, kind) -> Union[int, float]:
         try:
             v = int(s) if kind is int and s.lstrip("+-").isdigit() else float(s)
         except ValueError:
-            raise ValueError(f"sampling_parameters.{key} must be {what}, got {v!r}") from None
+            raise ValueError(f"sampling_parameters.{key} must be {what}, got {as_json(v)}") from None
     if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise ValueError(f"sampling_parameters.{key} must be {what}, got {v!r}")
+        raise ValueError(f"sampling_parameters.{key} must be {what}, got {as_json(v)}")
     if not math.isfinite(v):
-        raise ValueError(f"sampling_parameters.{key} must be a finite number, got {v!r}")
+        raise ValueError(f"sampling_parameters.{key} must be a finite number, got {as_json(v)}")
     if kind is int and not float(v).is_integer():
-        raise ValueError(f"sampling_parameters.{key} must be {what}, got {v!r}")
+        raise ValueError(f"sampling_parameters.{key} must be {what}, got {as_json(v)}")
     return kind(v)
 
 
@@ -210,7 +219,7 @@ def _to_bool(key: str, v: Any) -> bool:
         return v
     if isinstance(v, str) and v.strip().lower() in ("true", "false"):
         return v.strip().lower() == "true"
-    raise ValueError(f"sampling_parameters.{key} must be true or false, got {v!r}")
+    raise ValueError(f"sampling_parameters.{key} must be true or false, got {as_json(v)}")
 
 
 def check_json_text(text: str, what: str, limits: InputLimits = DEFAULT_LIMITS) -> None:
@@ -371,7 +380,7 @@ def _parse(d: Dict[str, Any], default_max_tokens: int, limits: InputLimits = DEF
     if "stop_token_ids" in d:
         s = d["stop_token_ids"]
         if not isinstance(s, list):
-            raise ValueError(f"sampling_parameters.stop_token_ids must be a list of token ids, got {s!r}")
+            raise ValueError(f"sampling_parameters.stop_token_ids must be a list of token ids, got {as_json(s)}")
         if len(s) > limits.max_stop_token_ids:
             raise ValueError(f"sampling_parameters.stop_token_ids has {len(s)} ids; the limit is "
                              f"{limits.max_stop_token_ids} (max_stop_token_ids)")
@@ -402,7 +411,7 @@ def validate_sampling(sampling: Dict[str, Any]) -> None:
     if "logprobs" in sampling:
         v = sampling["logprobs"]
         if not isinstance(v, bool) and not (isinstance(v, int) and 0 <= v <= MAX_LOGPROBS):
-            raise ValueError(f"sampling.logprobs must be true, false or an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+            raise ValueError(f"sampling.logprobs must be true, false or an integer in [0, {MAX_LOGPROBS}], got {as_json(v)}")
     if sampling.get("guided") is not None:
         GuidedSpec.from_wire(sampling["guided"])
 

@@ -89,6 +89,9 @@ async def _validation_error(_request: Request, e: RequestValidationError):
     if first.get("type") == "json_invalid":
         return OpenAIError(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', msg)}",
                            code="invalid_json").response()
+    if first.get("type") == "value_error":  # a validator of schemas.py: its message names the field
+        msg = str(first.get("ctx", {}).get("error", msg))
+        return OpenAIError(400, msg, param=param, code="invalid_value").response()
     return OpenAIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value").response()
 
 

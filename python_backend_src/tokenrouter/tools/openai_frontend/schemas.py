@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Union, get_args
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from .backend import GenerationOutput
 from .errors import OpenAIError
@@ -52,6 +52,18 @@ class RequestBase(BaseModel):
     stop_token_ids: Optional[List[int]] = None
     routing_threshold: Optional[float] = None
     return_routing_trace: Optional[bool] = False
+
+    @field_validator("max_tokens", "temperature", "top_p", "n", "seed", "presence_penalty", "frequency_penalty",
+                     "top_k", "min_tokens", "repetition_penalty", "routing_threshold", "max_completion_tokens",
+                     "logprobs", "top_logprobs", "best_of", mode="before", check_fields=False)
+    @classmethod
+    def _not_a_boolean(cls, v: Any, info) -> Any:
+        """JSON ``true``/``false`` is no number: pydantic's lax mode would read it as 1/0 (``max_tokens:
+        true`` as 1, ``routing_threshold: false`` as 0); Triton's generate endpoint refuses it too.
+        A field declared boolean (chat's ``logprobs``) keeps it."""
+        if isinstance(v, bool) and bool not in get_args(cls.model_fields[info.field_name].annotation):
+            raise ValueError(f"{info.field_name} must be a number, got {json.dumps(v)}")
+        return v
 
 
 class CompletionRequest(RequestBase):
