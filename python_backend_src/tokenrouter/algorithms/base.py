@@ -83,26 +83,25 @@ class ParamSpec:
                 return self.parse(value)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"routing parameter {name!r}: {e}") from None
-        got = as_json(value)
         if self.kind is str:
             if not isinstance(value, str) or not value:
-                raise ValueError(f"routing parameter {name!r} must be a non-empty string, got {got}")
+                raise ValueError(f"routing parameter {name!r} must be a non-empty string, got {as_json(value)}")
             return value
         if self.kind is bool:
             if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
                 return value.lower() in ("true", "1")
             if not isinstance(value, bool):
-                raise ValueError(f"routing parameter {name!r} must be true/false, got {got}")
+                raise ValueError(f"routing parameter {name!r} must be true/false, got {as_json(value)}")
             return value
         kind = {float: "a number", int: "an integer"}.get(self.kind, self.kind.__name__)
         try:
             v = self.kind(value)
         except (TypeError, ValueError):
-            raise ValueError(f"routing parameter {name!r} must be {kind}, got {got}") from None
+            raise ValueError(f"routing parameter {name!r} must be {kind}, got {as_json(value)}") from None
         if isinstance(value, bool) or (self.kind is int and float(value) != v):
-            raise ValueError(f"routing parameter {name!r} must be {kind}, got {got}")
+            raise ValueError(f"routing parameter {name!r} must be {kind}, got {as_json(value)}")
         if self.kind is float and not math.isfinite(v):
-            raise ValueError(f"routing parameter {name!r} must be a finite number, got {got}")
+            raise ValueError(f"routing parameter {name!r} must be a finite number, got {as_json(value)}")
         if (self.lo is not None and v < self.lo) or (self.hi is not None and v > self.hi):
             raise ValueError(f"routing parameter {name!r}={v} outside [{self.lo}, {self.hi}]")
         return v
